@@ -1,0 +1,34 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv and install first.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# Prefect runs against a private, throw-away home: no telemetry, no reuse of a dev cache.
+PREFECT_ENV = PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
+              PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW=ignore
+
+.PHONY: install test test-fast demo demo-tiny clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev,cpu]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PREFECT_ENV) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the suite without the slow real-model checks
+test-fast: $(STAMP)
+	$(PREFECT_ENV) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest -m 'not slow' $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PREFECT_ENV) $(BIN)/python -m flows.demo --profile smollm2
+
+demo-tiny: $(STAMP)
+	$(PREFECT_ENV) $(BIN)/python -m flows.demo --profile tiny
+
+clean:
+	rm -rf $(VENV) .cache runs .pytest_cache
