@@ -39,6 +39,8 @@ from pathlib import Path
 
 import psutil
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
@@ -192,7 +194,7 @@ class ProgressArtifact:
 
 def _cell(v):
     if isinstance(v, float):
-        return v if not math.isfinite(v) else float(f"{v:.5g}")
+        return float(f"{v:.5g}") if math.isfinite(v) else None
     return v if isinstance(v, (int, str, bool)) or v is None else json.dumps(v)
 
 
@@ -217,10 +219,12 @@ def metrics_rows(path: Path, max_rows: int = 200) -> list[dict]:
 
 
 class MetricsTable:
-    """A table artifact mirroring metrics.jsonl; re-created (a new version of the key) when it grew."""
+    """One table artifact mirroring metrics.jsonl, created at the first rows and then updated in
+    place (a new artifact per refresh would add a badge to the run graph each time)."""
 
     def __init__(self, path: Path, key: str, min_interval_s: float = 10.0):
         self.path, self.key, self.min_interval_s = path, key, min_interval_s
+        self.artifact_id = None
         self.size = -1
         self.stamp = 0.0
 
@@ -233,9 +237,15 @@ class MetricsTable:
         if size == self.size:
             return
         rows = metrics_rows(self.path)
-        if rows:
-            create_table_artifact(rows, key=self.key, description=f"training metrics ({self.path.name})")
-            self.size = size
+        if not rows:
+            return
+        description = f"training metrics ({self.path.name}, {len(rows)} rows)"
+        if self.artifact_id is None:
+            self.artifact_id = create_table_artifact(rows, key=self.key, description=description)
+        else:
+            with get_client(sync_client=True) as client:
+                client.update_artifact(self.artifact_id, ArtifactUpdate(data=json.dumps(rows), description=description))
+        self.size = size
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:

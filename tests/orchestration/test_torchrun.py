@@ -36,13 +36,12 @@ def _logs(flow_run_id) -> list[str]:
         return [log.message for log in c.read_logs(LogFilter(flow_run_id={"any_": [flow_run_id]}))]
 
 
-def _artifact(key: str, flow_run_id):
+def _artifacts(key: str, flow_run_id) -> list:
     with get_client(sync_client=True) as c:
-        found = c.read_artifacts(
+        return c.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
             flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}),
         )
-    return max(found, key=lambda a: a.created)
 
 
 def _flow_run_state(workdir: Path):
@@ -71,15 +70,15 @@ def test_step_lines_stream_into_the_flow_run_logs(prefect_api, tmp_path):
 
 def test_progress_artifact_counts_optimizer_steps(prefect_api, tmp_path):
     state = launcher_flow(str(tmp_path), steps=5, return_state=True)
-    progress = _artifact("training-progress", state.state_details.flow_run_id)
+    [progress] = _artifacts("training-progress", state.state_details.flow_run_id)
     assert progress.type == "progress"
     assert float(progress.data) == 100.0
     assert progress.description == "5/5 optimizer steps"
 
 
-def test_metrics_table_mirrors_metrics_jsonl(prefect_api, tmp_path):
+def test_one_metrics_table_is_kept_current_with_metrics_jsonl(prefect_api, tmp_path):
     state = launcher_flow(str(tmp_path), steps=3, return_state=True)
-    table = _artifact("training-metrics", state.state_details.flow_run_id)
+    [table] = _artifacts("training-metrics", state.state_details.flow_run_id)
     assert table.type == "table"
     rows = table.data if isinstance(table.data, list) else json.loads(table.data)
     assert [row["step"] for row in rows] == [1, 2, 3]
