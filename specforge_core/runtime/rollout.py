@@ -148,7 +148,7 @@ class RolloutStream(Iterator[CapturedBatch]):
 
     def _check(self, batch: CapturedBatch, request: TargetRequest, island_batch: IslandBatch) -> None:
         want = request.local_lengths
-        got = batch.attention_mask.sum(dim=1).tolist() if batch.attention_mask.ndim == 2 else []
+        got = batch.attention_mask.sum(dim=1).tolist()
         if got != want or batch.aux_hidden.shape[:2] != batch.input_ids.shape:
             raise CaptureError(
                 f"partial capture at micro-step {island_batch.micro_step}: got rows of lengths {got}, "

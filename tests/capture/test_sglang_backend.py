@@ -67,6 +67,7 @@ def test_kept_rows_are_copies_not_views_of_the_engine_buffer(tiny_target_dir):
     batch = sglang_backend(tiny_target_dir, tp_size=2).capture(make_request([8, 8, 8, 8], local=slice(0, 2)))
     for t in (batch.aux_hidden, batch.last_hidden):
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert not t.is_inference()
 
 
 class TruncatingEngine(FakeSGLangEngine):
