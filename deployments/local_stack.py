@@ -55,6 +55,8 @@ class LocalPrefect:
             "PREFECT_SERVER_EPHEMERAL_ENABLED": "false",
             "PYTHONUNBUFFERED": "1",
             "PWD": str(PROJECT_DIR),
+            # This project's code, even where another checkout is pip-installed in editable mode.
+            "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_DIR), os.environ.get("PYTHONPATH")) if p),
         }
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
