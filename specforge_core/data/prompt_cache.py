@@ -112,6 +112,7 @@ def ensure_prompt_cache(cfg, tokenizer) -> PromptCache:
             return open_prompt_cache(final)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{key[:16]}-"))
         try:
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by all ranks/users
             meta = _Build(cfg, tokenizer, key, tmp).run()
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             os.rename(tmp, final)
