@@ -37,7 +37,6 @@ FORMATS = ("conversations", "sharegpt", "messages", "text", "tokenized")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _SKIP_HINT = "or set data.on_bad_row=skip to drop and count such rows"
 
 
@@ -222,37 +221,45 @@ def parse_record(record: Any, fmt: str, where: str, vocab_size: int) -> Row:
     return Row(where, messages=messages, tools=tools or None)
 
 
-def _message(m: Any, i: int, where: str, *, sharegpt: bool) -> dict:
-    def bad(problem: str, fix: str) -> BadRow:
-        return BadRow(f"message {i}: {problem}", where=where, fix=f"{fix}, {_SKIP_HINT}", reason="bad_row")
+def _bad_message(i: int, where: str, problem: str, fix: str) -> BadRow:
+    return BadRow(f"message {i}: {problem}", where=where, fix=f"{fix}, {_SKIP_HINT}", reason="bad_row")
 
+
+def _message(m: Any, i: int, where: str, *, sharegpt: bool) -> dict:
     if not isinstance(m, dict):
-        raise bad(f"is a {type(m).__name__}, expected an object", "write messages as JSON objects")
+        raise _bad_message(i, where, f"is a {type(m).__name__}, expected an object", "write messages as JSON objects")
     if sharegpt:
         role = SHAREGPT_ROLES.get(m.get("from"))
         if role is None:
-            raise bad(f"unknown 'from' {m.get('from')!r}", "use from: human, gpt, system or tool")
+            raise _bad_message(i, where, f"unknown 'from' {m.get('from')!r}", "use from: human, gpt, system or tool")
         content = m.get("value")
     else:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise bad(f"unknown role {role!r}", f"use one of {', '.join(ROLES)}")
-    out: dict = {"role": role, "content": "" if content is None else content}
-    if not isinstance(out["content"], str):
-        raise bad("content is not a string", "give text content (multimodal parts are not supported)")
-    reasoning = next((m[k] for k in _REASONING_KEYS if m.get(k) is not None), None)
+            raise _bad_message(i, where, f"unknown role {role!r}", f"use one of {', '.join(ROLES)}")
+    if content is None:
+        content = ""
+    elif type(content) is not str:
+        raise _bad_message(i, where, "content is not a string",
+                           "give text content (multimodal parts are not supported)")
+    out: dict = {"role": role, "content": content}
+    if len(m) == 2:  # the common case: nothing but role/content (or from/value)
+        if role == "assistant" and not content:
+            raise _bad_message(i, where, "assistant message is empty", "remove it or give it content")
+        return out
+    reasoning = m.get("reasoning_content", m.get("thinking", m.get("reasoning")))
     if reasoning is not None:
         if not isinstance(reasoning, str):
-            raise bad("reasoning_content is not a string", "give reasoning as text")
+            raise _bad_message(i, where, "reasoning_content is not a string", "give reasoning as text")
         # Templates read reasoning under different names; fill the ones they use.
         out["reasoning_content"] = out["thinking"] = reasoning
     for k in ("tool_calls", "tool_call_id", "name"):
         if m.get(k) is not None:
             out[k] = m[k]
     if "tool_calls" in out and not isinstance(out["tool_calls"], list):
-        raise bad("tool_calls is not a list", "give tool_calls as a list of calls")
-    if role == "assistant" and not out["content"] and reasoning is None and "tool_calls" not in out:
-        raise bad("assistant message is empty", "remove it or give it content")
+        raise _bad_message(i, where, "tool_calls is not a list", "give tool_calls as a list of calls")
+    if role == "assistant" and not content and reasoning is None and "tool_calls" not in out:
+        raise _bad_message(i, where, "assistant message is empty", "remove it or give it content")
     return out
 
 

@@ -257,6 +257,22 @@ class _Build:
 
     def _tokenized(self, files: list[str], max_rows: int | None):
         """Yield (row, tokenized) for every kept row of ``files``; count and handle the rest."""
+        for rows, results in self.tok.pipelined(self._chunks(files, max_rows)):
+            for row, result in zip(rows, results):
+                if isinstance(result, BadRow):
+                    self._bad(result)
+                    continue
+                n_sup = int(result.loss_mask.sum())
+                if n_sup < self.d.min_loss_tokens:
+                    self.stats.dropped["too_few_loss_tokens"] += 1
+                    continue
+                self.stats.truncated += result.truncated
+                self.stats.tokens += len(result.input_ids)
+                self.stats.supervised += n_sup
+                yield row, result
+
+    def _chunks(self, files: list[str], max_rows: int | None):
+        """Normalised rows of ``files`` in chunks; bad records are counted (or raised) here."""
         budget = max_rows
         for url in files:
             chunk: list[Row] = []
@@ -267,7 +283,6 @@ class _Build:
                     break
                 if budget is not None:
                     budget -= 1
-                self.stats.rows_in += 1
                 rows += 1
                 try:
                     if isinstance(rec, BadRow):
@@ -277,24 +292,12 @@ class _Build:
                 except BadRow as e:
                     self._bad(e)
                 if len(chunk) >= _CHUNK_ROWS:
-                    yield from self._flush(chunk)
+                    yield chunk
                     chunk = []
-            yield from self._flush(chunk)
+            if chunk:
+                yield chunk
+            self.stats.rows_in += rows
             self.stats.sources.append({"url": url, "format": fmt, "rows": rows})
-
-    def _flush(self, chunk: list[Row]):
-        for row, result in zip(chunk, self.tok(chunk)):
-            if isinstance(result, BadRow):
-                self._bad(result)
-                continue
-            n_sup = int(result.loss_mask.sum())
-            if n_sup < self.d.min_loss_tokens:
-                self.stats.dropped["too_few_loss_tokens"] += 1
-                continue
-            self.stats.truncated += result.truncated
-            self.stats.tokens += len(result.input_ids)
-            self.stats.supervised += n_sup
-            yield row, result
 
     def _bad(self, err: BadRow) -> None:
         if self.d.on_bad_row == "error":

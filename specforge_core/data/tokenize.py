@@ -16,7 +16,9 @@ and character spans become token spans through the encoding's character→token 
 """
 
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -129,6 +131,17 @@ class ChatRenderer:
 
 
 @dataclass(slots=True)
+class _Staged:
+    """A chunk between rendering and tokenization: texts to encode and where their results go."""
+
+    rows: list[Row]
+    out: list
+    texts: list[str] = field(default_factory=list)
+    spans: list[list[tuple[int, int]]] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Tokenized:
     """One tokenized row: ``input_ids`` int32, ``loss_mask`` int8 (1 = supervised), both right-truncated."""
 
@@ -167,15 +180,32 @@ class RowTokenizer:
         return self._renderer
 
     def __call__(self, rows: list[Row]) -> list[Tokenized | BadRow]:
-        out: list = [None] * len(rows)
-        texts, spans, slots = [], [], []
+        staged = self._stage(rows)
+        return self._finish(staged, self._encode(staged))
+
+    def pipelined(self, chunks: Iterator[list[Row]]) -> Iterator[tuple[list[Row], list[Tokenized | BadRow]]]:
+        """``(rows, results)`` per chunk, like ``self(rows)``, with chunk k's tokenization running on
+        a worker thread (the Rust encoder releases the GIL) while chunk k+1 is read and rendered."""
+        with ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
+            pending = None
+            for rows in chunks:
+                staged = self._stage(rows)
+                job = pool.submit(self._encode, staged)
+                if pending is not None:
+                    yield pending[0].rows, self._finish(pending[0], pending[1].result())
+                pending = (staged, job)
+            if pending is not None:
+                yield pending[0].rows, self._finish(pending[0], pending[1].result())
+
+    def _stage(self, rows: list[Row]) -> "_Staged":
+        st = _Staged(rows, [None] * len(rows))
         for i, row in enumerate(rows):
             if row.input_ids is not None:
                 ids = np.asarray(row.input_ids[: self.max_length], dtype=np.int32)
                 mask = np.asarray(row.loss_mask[: self.max_length], dtype=np.int8)
                 if self.train_only_last_turn:
                     mask = _last_run_only(mask)
-                out[i] = Tokenized(ids, mask, len(row.input_ids) > self.max_length)
+                st.out[i] = Tokenized(ids, mask, len(row.input_ids) > self.max_length)
                 continue
             try:
                 text = row.text if row.text is not None else self._render(row)
@@ -190,15 +220,20 @@ class RowTokenizer:
                             "or set data.on_bad_row=skip", reason="template_error",
                         )
             except BadRow as e:
-                out[i] = e
+                st.out[i] = e
                 continue
-            texts.append(text)
-            spans.append(row_spans[-1:] if self.train_only_last_turn else row_spans)
-            slots.append(i)
-        if texts:
-            for i, enc, row_spans in zip(slots, self._encoder.encode_batch(texts, add_special_tokens=False), spans):
-                out[i] = self._masked(enc, row_spans)
-        return out
+            st.texts.append(text)
+            st.spans.append(row_spans[-1:] if self.train_only_last_turn else row_spans)
+            st.slots.append(i)
+        return st
+
+    def _encode(self, st: "_Staged") -> list:
+        return self._encoder.encode_batch(st.texts, add_special_tokens=False) if st.texts else []
+
+    def _finish(self, st: "_Staged", encodings: list) -> list[Tokenized | BadRow]:
+        for i, enc, row_spans in zip(st.slots, encodings, st.spans):
+            st.out[i] = self._masked(enc, row_spans)
+        return st.out
 
     def _render(self, row: Row) -> str:
         try:
