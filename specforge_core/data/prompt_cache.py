@@ -317,8 +317,7 @@ class _Build:
             "options": {k: getattr(self.d, k) for k in ("format", "max_length", "train_only_last_turn",
                                                          "min_loss_tokens", "on_bad_row", "max_rows",
                                                          "eval_holdout")},
-            "chat_template": {"header": self.tok._renderer.header, "end_of_turn": self.tok._renderer.end_of_turn}
-            if self.tok._renderer else None,
+            "chat_template": self.tok.markers,
             "rows_in": s.rows_in,
             "rows_out": {"train": train.rows, "eval": evals.rows},
             "dropped": dict(s.dropped),

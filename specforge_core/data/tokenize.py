@@ -174,6 +174,12 @@ class RowTokenizer:
         self._encoder.no_truncation()
 
     @property
+    def markers(self) -> dict | None:
+        """The assistant header and end-of-turn token in use, None if nothing was rendered."""
+        r = self._renderer
+        return None if r is None else {"header": r.header, "end_of_turn": r.end_of_turn}
+
+    @property
     def renderer(self) -> ChatRenderer:
         if self._renderer is None:
             self._renderer = ChatRenderer(self.tokenizer, self._chat_template)

@@ -52,11 +52,7 @@ def test_sharegpt_from_value_maps_to_roles(tmp_path):
 def test_messages_key_is_read_like_conversations(tmp_path):
     p = write_jsonl(tmp_path / "m.jsonl", [{"messages": CHAT[0]["conversations"]}])
     assert detect_format(json.loads(p.read_text()), "x") == "messages"
-    assert rows_of(str(p))[0].messages == rows_of_first(CHAT[0])
-
-
-def rows_of_first(rec):
-    return parse_record(rec, "conversations", "x", V).messages
+    assert rows_of(str(p))[0].messages == parse_record(CHAT[0], "conversations", "x", V).messages
 
 
 def test_tool_calls_reasoning_and_tool_turns_are_kept(tmp_path):
