@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_tokens = sum(len(ids) for ids in enc["input_ids"])
     del enc
     _, t_chunked = timed(lambda: tokenize_in_chunks(tok, texts, 256))
-    del texts
+    texts.clear()  # free the rendered texts before the build
 
     cache, t_cold = timed(lambda: ensure_prompt_cache(cfg, tok))
     hit, t_hit = timed(lambda: ensure_prompt_cache(cfg, tok))

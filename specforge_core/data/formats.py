@@ -38,6 +38,7 @@ ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
 _SKIP_HINT = "or set data.on_bad_row=skip to drop and count such rows"
+_MISSING_FIX = "check data.train_files / data.eval_files (fsspec URLs)"
 
 
 class BadRow(DataError):
@@ -68,9 +69,7 @@ def _open(url: str, storage_options: dict):
     try:
         return fsspec.open(url, "rb", **storage_options).open()
     except FileNotFoundError:
-        raise DataError(
-            "file not found", where=url, fix="check data.train_files / data.eval_files (fsspec URLs)"
-        ) from None
+        raise DataError("file not found", where=url, fix=_MISSING_FIX) from None
     except IsADirectoryError:
         raise DataError("is a directory, not a file", where=url, fix="name the JSONL/JSON files themselves") from None
 
@@ -354,7 +353,7 @@ def source_digest(url: str, storage_options: dict | None = None, memo_dir: str |
     try:
         info = fs.info(path)
     except FileNotFoundError:
-        raise DataError("file not found", where=url, fix="check data.train_files / data.eval_files (fsspec URLs)") from None
+        raise DataError("file not found", where=url, fix=_MISSING_FIX) from None
     if info.get("type") == "directory":
         raise DataError("is a directory, not a file", where=url, fix="name the JSONL/JSON files themselves")
     stamp, mtime, tagged = _stamp(info)

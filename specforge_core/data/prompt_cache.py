@@ -30,12 +30,16 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specforge_core.data.formats import BadRow, Row, detect_format, iter_records, parse_record, source_digest
 from specforge_core.data.tokenize import RowTokenizer, Tokenized, effective_template
 from specforge_core.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import datasets
 
 SCHEMA_VERSION = 1
 _CHUNK_ROWS = 256
@@ -47,8 +51,8 @@ class PromptCache:
 
     key: str
     path: Path
-    train: "datasets.Dataset"  # noqa: F821
-    eval: "datasets.Dataset"  # noqa: F821
+    train: "datasets.Dataset"
+    eval: "datasets.Dataset"
     meta: dict
     built: bool = False
 

@@ -1,7 +1,6 @@
 """Point 6: processes launched together without Prefect: one builds the missing cache under a
 file lock, the others wait for it and open the same dataset (no collective involved)."""
 
-import hashlib
 import json
 import os
 import subprocess

@@ -54,7 +54,8 @@ def test_masked_tokens_decode_to_assistant_texts_and_end_of_turn_smollm2(smollm2
         want = "".join(m["content"] + EOT for m in record["conversations"] if m["role"] == "assistant")
         assert masked_text(tok, t) == want
     # SmolLM2's template injects a default system prompt into rows without one: never supervised.
-    assert "SmolLM" in tok.decode(out[0].input_ids.tolist()) and "SmolLM" not in masked_text(tok, out[0])
+    assert "SmolLM" in tok.decode(out[0].input_ids.tolist())
+    assert "SmolLM" not in masked_text(tok, out[0])
 
 
 def test_rendering_and_ids_match_apply_chat_template(tiny_tokenizer):
