@@ -51,3 +51,26 @@ def read_pids(path: Path) -> list[int] | None:
         return None
     record = json.loads(path.read_text())
     return [record["launcher"], *record["ranks"]]
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_config(root: Path, target: Path, *, conversations: int = 400, **sections: dict) -> dict:
+    """examples/tiny-cpu.yaml as the flow parameter's JSON, with data, caches and runs under ``root``.
+
+    ``sections`` update single fields, e.g. ``training={"max_steps": 40}``."""
+    import yaml
+
+    from specforge_core.data.samples import write_chitchat_jsonl
+
+    cfg = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    data = root / "chitchat.jsonl"
+    if not data.exists():
+        write_chitchat_jsonl(data, conversations)
+    cfg["model"]["target"] = str(target)
+    cfg["data"].update(train_files=[str(data)], cache_dir=str(root / "cache"))
+    cfg["output"]["dir"] = str(root / "runs")
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg

@@ -73,3 +73,22 @@ def test_a_cached_result_whose_file_is_gone_is_rebuilt(prefect_api, tmp_path, ke
     assert _task_states(third.state_details.flow_run_id) == ["Cached"]
     assert _builds(tmp_path) == 2
 
+
+
+@task(cache_key_fn=content_key("toy-located", location=lambda p: p["out_dir"]), persist_result=True)
+def located_stage(out_dir: str, key: str) -> StageOutput:
+    return toy_stage.fn(out_dir, key)
+
+
+@flow
+def located_flow(out_dir: str, key: str) -> StageOutput:
+    return run_cached(located_stage, out_dir, key=key)
+
+
+def test_the_same_content_in_another_location_is_another_entry(prefect_api, tmp_path, key):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = located_flow(str(tmp_path / "a"), key)
+    b = located_flow(str(tmp_path / "b"), key)
+    assert Path(a.path).parent == tmp_path / "a" and Path(b.path).parent == tmp_path / "b"
+    assert located_flow(str(tmp_path / "a"), key) == a
