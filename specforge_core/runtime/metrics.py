@@ -1,0 +1,184 @@
+"""Training metrics: per-window sums on every rank, reduced and derived on log steps, then shown.
+
+The trainer reports each micro-batch (:meth:`MetricsLogger.add_micro_batch`) and each optimizer
+step (:meth:`MetricsLogger.add_step`); on a log step :meth:`MetricsLogger.flush` (collective)
+reduces the window over all ranks and rank 0
+
+- appends one JSON object to ``<output.dir>/metrics.jsonl``,
+- prints ``step=i/N loss=... acc_0=... samples/s=...`` on stdout (the Prefect task parses
+  ``step=i/N``),
+- calls every subscriber with the same dict.
+
+What the numbers mean:
+
+- objective metrics (``loss``, ``acc_k``, ``acceptance_rate_k``, simulated acceptance length):
+  the objective's summable numerators/denominators are summed over micro-batches and ranks, then
+  turned into ratios by the ``derive`` function the objective supplies;
+- ``samples_per_s``: global, samples one rank trained in the window × (world // sp_size) / the
+  slowest rank's window time (every rank of a target-TP island trains its own slice);
+- ``capture_share``: time inside target capture / window time, averaged over ranks;
+- ``bubble``: time the trainer waited for its next batch (capture, staging, peers) / window time,
+  averaged over ranks: the share of the step the draft was not training;
+- ``peak_mem_allocated_bytes`` / ``peak_mem_reserved_bytes`` (CUDA, since start) or
+  ``peak_rss_bytes`` (CPU, since start); ``peak_staged_bytes``: the rollout stream's staged
+  features; all maxima over ranks.
+"""
+
+import json
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from specforge_core.runtime.distributed import Dist, all_reduce
+
+MetricsRecord = dict[str, float | int]
+Subscriber = Callable[[MetricsRecord], None]
+METRICS_FILE = "metrics.jsonl"
+
+
+def _peak_memory(device: torch.device) -> dict[str, int]:
+    if device.type == "cuda":
+        return {
+            "peak_mem_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_mem_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    # ru_maxrss is the true peak resident set of this process, in KiB on Linux.
+    return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def format_line(record: MetricsRecord) -> str:
+    """The human line: ``step=i/N loss=... acc_0=... samples/s=...`` then the rest that exists."""
+    parts = [f"step={record['step']}/{record['total_steps']}"]
+    for key, label, fmt in (
+        ("loss", "loss", ".4f"),
+        ("acc_0", "acc_0", ".3f"),
+        ("samples_per_s", "samples/s", ".2f"),
+        ("simulated_acceptance_length", "accept_len", ".3f"),
+        ("lr", "lr", ".2e"),
+        ("grad_norm", "grad_norm", ".3f"),
+        ("capture_share", "capture", ".0%"),
+        ("bubble", "bubble", ".0%"),
+    ):
+        if key in record:
+            parts.append(f"{label}={record[key]:{fmt}}")
+    for key in ("peak_mem_allocated_bytes", "peak_rss_bytes"):
+        if key in record:
+            parts.append(f"mem={record[key] / 2**30:.2f}GiB")
+    return " ".join(parts)
+
+
+class MetricsLogger:
+    """Accumulates one log window per rank and publishes the reduced record from rank 0.
+
+    ``derive`` maps the summed objective sums to named metrics (loss, acc_k, ...); it runs on
+    rank 0 after the cross-rank sum. ``sp_size`` is the sequence-parallel width (ranks that share
+    one sample), 1 in colocated mode.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        d: Dist,
+        *,
+        total_steps: int,
+        derive: Callable[[dict[str, float]], dict[str, float]],
+        sp_size: int = 1,
+        echo: bool = True,
+    ):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.d = d
+        self.total_steps = total_steps
+        self.derive = derive
+        self.sp_size = sp_size
+        self.echo = echo
+        self.subscribers: list[Subscriber] = []
+        self._reset()
+
+    def subscribe(self, callback: Subscriber) -> None:
+        """Call ``callback(record)`` on rank 0 after every published record."""
+        self.subscribers.append(callback)
+
+    def _reset(self) -> None:
+        self.window_start = time.perf_counter()
+        self.sums: dict[str, float] = {}
+        self.samples = 0
+        self.wait_s = 0.0
+        self.capture_s = 0.0
+        self.steps = 0
+        self.grad_norm_sum = 0.0
+        self.lr = 0.0
+        self.peak_staged_bytes = 0
+
+    def add_micro_batch(
+        self,
+        sums: dict[str, float],
+        *,
+        samples: int,
+        wait_s: float,
+        capture_s: float,
+        staged_bytes: int = 0,
+    ) -> None:
+        """One micro-batch on this rank: objective sums, samples trained, seconds waited/captured."""
+        for key, value in sums.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value)
+        self.samples += samples
+        self.wait_s += wait_s
+        self.capture_s += capture_s
+        self.peak_staged_bytes = max(self.peak_staged_bytes, staged_bytes)
+
+    def add_step(self, *, grad_norm: float, lr: float) -> None:
+        """One optimizer step on this rank (grad_norm is already global, equal on all ranks)."""
+        self.steps += 1
+        self.grad_norm_sum += grad_norm
+        self.lr = lr
+
+    def discard_after(self, step: int) -> None:
+        """Drop records of steps after ``step`` (a crashed run's tail, before resuming at ``step``)."""
+        if not self.d.is_main or not self.path.is_file():
+            return
+        kept = [
+            line
+            for line in self.path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line)["step"] <= step
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+    def flush(self, step: int) -> MetricsRecord | None:
+        """Reduce the window over ranks (collective) and publish it on rank 0; returns the record there."""
+        elapsed = time.perf_counter() - self.window_start
+        keys = sorted(self.sums)
+        summed = all_reduce(self.d, [self.sums[k] for k in keys] + [self.wait_s, self.capture_s])
+        memory = _peak_memory(self.d.device)
+        peaks = all_reduce(self.d, [elapsed, self.peak_staged_bytes, *memory.values()], op="max")
+        samples, steps, grad_norm_sum, lr = self.samples, self.steps, self.grad_norm_sum, self.lr
+        self._reset()
+        if not self.d.is_main:
+            return None
+
+        world = self.d.world_size
+        window_s = max(peaks[0], 1e-9)
+        wait_s, capture_s = summed[-2] / world, summed[-1] / world
+        record: MetricsRecord = {"step": step, "total_steps": self.total_steps}
+        record.update(self.derive(dict(zip(keys, summed[: len(keys)]))))
+        record.update(
+            lr=lr,
+            grad_norm=grad_norm_sum / max(steps, 1),
+            samples_per_s=samples * (world // self.sp_size) / window_s,
+            step_time_s=window_s / max(steps, 1),
+            capture_share=capture_s / window_s,
+            bubble=wait_s / window_s,
+            peak_staged_bytes=int(peaks[1]),
+            time=time.time(),
+        )
+        record.update({k: int(v) for k, v in zip(memory, peaks[2:])})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.echo:
+            print(format_line(record), flush=True)
+        for callback in self.subscribers:
+            callback(record)
+        return record
