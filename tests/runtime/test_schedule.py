@@ -1,4 +1,4 @@
-"""Schedule arithmetic: the horizon in whole optimizer steps and the warmup + cosine/constant curve."""
+"""Learning-rate schedule: linear warmup of int(ratio · horizon) steps, then cosine to 0 or constant."""
 
 import math
 
@@ -6,22 +6,7 @@ import pytest
 import torch
 
 from specforge_core.errors import ConfigError
-from specforge_core.runtime.schedule import build_scheduler, horizon, lr_multiplier, warmup_steps
-
-
-def test_horizon_counts_only_whole_accumulation_windows():
-    assert horizon(micro_batches_per_rank=10, accumulation_steps=3) == 3
-
-
-def test_horizon_is_capped_by_max_steps():
-    assert horizon(micro_batches_per_rank=100, accumulation_steps=2, max_steps=7) == 7
-    assert horizon(micro_batches_per_rank=10, accumulation_steps=2, max_steps=70) == 5
-
-
-def test_plan_shorter_than_one_window_is_rejected_naming_the_field():
-    with pytest.raises(ConfigError) as e:
-        horizon(micro_batches_per_rank=3, accumulation_steps=4)
-    assert "training.accumulation_steps" in str(e.value) and "fix:" in str(e.value)
+from specforge_core.runtime.schedule import build_scheduler, lr_multiplier, warmup_steps
 
 
 def test_warmup_truncates_ratio_times_horizon():
