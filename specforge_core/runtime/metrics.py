@@ -103,7 +103,7 @@ class MetricsLogger:
 
     def _reset(self) -> None:
         self.window_start = time.perf_counter()
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, float | torch.Tensor] = {}
         self.samples = 0
         self.wait_s = 0.0
         self.capture_s = 0.0
@@ -114,16 +114,21 @@ class MetricsLogger:
 
     def add_micro_batch(
         self,
-        sums: dict[str, float],
+        sums: dict[str, float | torch.Tensor],
         *,
         samples: int,
         wait_s: float,
         capture_s: float,
         staged_bytes: int = 0,
     ) -> None:
-        """One micro-batch on this rank: objective sums, samples trained, seconds waited/captured."""
+        """One micro-batch on this rank: objective sums, samples trained, seconds waited/captured.
+
+        ``sums`` may hold device tensors: they are added on the device and read once per flush,
+        so logging does not synchronise the device every micro-batch.
+        """
         for key, value in sums.items():
-            self.sums[key] = self.sums.get(key, 0.0) + float(value)
+            value = value.detach() if isinstance(value, torch.Tensor) else float(value)
+            self.sums[key] = self.sums.get(key, 0.0) + value
         self.samples += samples
         self.wait_s += wait_s
         self.capture_s += capture_s
@@ -150,7 +155,7 @@ class MetricsLogger:
         """Reduce the window over ranks (collective) and publish it on rank 0; returns the record there."""
         elapsed = time.perf_counter() - self.window_start
         keys = sorted(self.sums)
-        summed = all_reduce(self.d, [self.sums[k] for k in keys] + [self.wait_s, self.capture_s])
+        summed = all_reduce(self.d, [float(self.sums[k]) for k in keys] + [self.wait_s, self.capture_s])
         memory = _peak_memory(self.d.device)
         peaks = all_reduce(self.d, [elapsed, self.peak_staged_bytes, *memory.values()], op="max")
         samples, steps, grad_norm_sum, lr = self.samples, self.steps, self.grad_norm_sum, self.lr

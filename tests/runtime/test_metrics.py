@@ -110,8 +110,22 @@ def test_format_line_shows_memory_in_gib():
     assert line == "step=1/2 loss=1.0000 mem=3.00GiB"
 
 
+def _one_rank():
+    return Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", mesh=None)
+
+
+def test_tensor_sums_from_the_objective_are_accumulated(tmp_path):
+    logger = MetricsLogger(tmp_path, _one_rank(), total_steps=1, derive=derive, echo=False)
+    for value in (1.0, 3.0):
+        sums = {"loss_sum": torch.tensor(value), "count": torch.tensor(1), "acc_0_num": 1, "acc_0_den": 4}
+        logger.add_micro_batch(sums, samples=1, wait_s=0.0, capture_s=0.0)
+    logger.add_step(grad_norm=0.1, lr=1.0)
+    record = logger.flush(step=1)
+    assert record["loss"] == 2.0 and record["acc_0"] == 0.25
+
+
 def test_records_after_the_resumed_step_are_discarded(tmp_path):
-    d = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", mesh=None)
+    d = _one_rank()
     (tmp_path / METRICS_FILE).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
     MetricsLogger(tmp_path, d, total_steps=5, derive=derive).discard_after(3)
     assert [json.loads(x)["step"] for x in (tmp_path / METRICS_FILE).read_text().splitlines()] == [1, 2, 3]
