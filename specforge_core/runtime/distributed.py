@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from specforge_core.capture.target import resolve_device
 from specforge_core.errors import ConfigError
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -52,26 +53,6 @@ def enable_expandable_segments() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
-def _resolve_device(device: str, local_rank: int) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "capture.device=cuda but no CUDA device is visible",
-                where="capture.device",
-                fix="set capture.device=cpu (or auto), or run on a GPU node",
-            )
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible",
-                where="torchrun --nproc_per_node",
-                fix="launch at most one rank per visible GPU",
-            )
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def init_distributed(device: Literal["auto", "cpu", "cuda"] = "auto", *, timeout_s: float = 1800.0) -> Dist:
     """Join (or, without torchrun, create) the run's process group and return where we sit.
 
@@ -90,7 +71,7 @@ def init_distributed(device: Literal["auto", "cpu", "cuda"] = "auto", *, timeout
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    dev = _resolve_device(device, local_rank)
+    dev = resolve_device(device, local_rank)  # the same rule the capture backend uses
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
