@@ -70,6 +70,23 @@ def config_identity(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
+def directory_identity(path: str | Path, *, content_limit: int = 1 << 20) -> str:
+    """sha256 naming a model directory: the content of its small files, name and size of big ones.
+
+    Config, tokenizer and index files (below ``content_limit`` bytes) are hashed whole; weight
+    files by name and size only, because hashing gigabytes at every start costs minutes. A copy or
+    re-download of the same model keeps its identity; a changed config, tokenizer or shard does not.
+    """
+    root = Path(path)
+    h = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        size = file.stat().st_size
+        h.update(f"{file.relative_to(root).as_posix()}\0{size}\0".encode())
+        if size <= content_limit:
+            h.update(file.read_bytes())
+    return h.hexdigest()
+
+
 def training_contract(
     cfg: RunConfig, plan: PromptPlan, *, prompt_cache: str, vocab_map: str, target: str, draft_config: dict
 ) -> dict:

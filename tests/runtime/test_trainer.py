@@ -21,7 +21,7 @@ from specforge_core.runtime.checkpoint import latest_checkpoint
 from specforge_core.runtime.distributed import close_distributed, init_distributed
 from specforge_core.runtime.metrics import METRICS_FILE
 from specforge_core.runtime.rollout import RolloutStream
-from specforge_core.runtime.trainer import Trainer, training_contract
+from specforge_core.runtime.trainer import Trainer, directory_identity, training_contract
 from tests.runtime.harness import run_ranks
 
 ROWS = 24  # world 2 × batch 2 × accumulation 2 = 8 prompts per step → 3 steps per epoch, 6 in all
@@ -226,3 +226,23 @@ def test_resume_must_refuses_a_run_without_checkpoints(world_of_one, tiny_target
     trainer, _ = build_trainer(world_of_one, make_config(tiny_target_dir, tmp_path, world_size=1, resume="must"))
     with pytest.raises(ResumeError, match="no complete checkpoint"):
         trainer.resume()
+
+
+# --- identities -----------------------------------------------------------------------------------
+
+
+def test_directory_identity_follows_content_not_location(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"hidden_size": 8}')
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * 2048)
+    assert directory_identity(tmp_path / "a") == directory_identity(tmp_path / "b")
+    (tmp_path / "b" / "config.json").write_text('{"hidden_size": 16}')
+    assert directory_identity(tmp_path / "a") != directory_identity(tmp_path / "b")
+
+
+def test_directory_identity_sees_a_resized_weight_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
+    before = directory_identity(tmp_path, content_limit=1024)
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 4097)
+    assert directory_identity(tmp_path, content_limit=1024) != before
