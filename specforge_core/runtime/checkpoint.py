@@ -3,8 +3,9 @@
 Layout (``<output.dir>/checkpoints/``)::
 
     step-00000012/
-        draft_config.json    the draft's config
-        draft.safetensors    full draft state dict (fp32 masters, d2t/t2d), frozen embedding left out
+        draft_config.json    the draft's config         } written by the caller's ``write_draft_files``
+        draft.safetensors    full draft state dict      } (the export module owns this format): fp32
+                                                          masters, d2t/t2d, no frozen embedding
         train_state.json     counters (optimizer steps, consumed samples), the resume contract, ...
         rank-00000.pt ...    per rank: sharded AdamW state, scheduler, RNG
         COMPLETE             written last: sha256 of every file above
@@ -27,11 +28,12 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -47,7 +49,6 @@ from specforge_core.errors import CheckpointError, ResumeError
 from specforge_core.runtime.distributed import Dist, all_gather_object, barrier
 
 FORMAT_VERSION = 1
-DRAFT_CONFIG = "draft_config.json"
 DRAFT_WEIGHTS = "draft.safetensors"
 TRAIN_STATE = "train_state.json"
 COMPLETE = "COMPLETE"
@@ -233,14 +234,16 @@ def save_checkpoint(
     draft: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: LRScheduler,
-    draft_config: dict,
+    write_draft_files: Callable[[Path, dict[str, torch.Tensor]], None],
     train_state: dict,
     keep: int,
 ) -> Path:
     """Write ``step-<step>`` atomically, point ``latest`` at it, keep the newest ``keep``; collective.
 
-    ``draft`` is the (sharded) draft module; its frozen parameters are not saved. ``train_state``
-    is stored as given, with ``step`` and the format version added. Returns the final directory.
+    ``draft`` is the (sharded) draft module. Its full state without frozen parameters is gathered
+    on rank 0 and handed to ``write_draft_files(directory, state)``, which must write
+    ``draft_config.json`` and ``draft.safetensors`` there. ``train_state`` is stored as given,
+    with ``step`` and the format version added. Returns the final directory.
     """
     root = checkpoints_dir(run_dir)
     final = root / step_dir_name(step)
@@ -272,13 +275,13 @@ def save_checkpoint(
         if d.is_main:
             leaked = sorted(set(weights) & _frozen_names(draft))
             assert not leaked, f"frozen parameters in the saved state: {leaked}"
-            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / DRAFT_WEIGHTS), {"format": "pt"})
-            _fsync_file(tmp / DRAFT_WEIGHTS)
-            _write_text(tmp / DRAFT_CONFIG, json.dumps(draft_config, indent=2, sort_keys=True))
+            write_draft_files(tmp, weights)
             state = {**train_state, "step": step, "format": FORMAT_VERSION}
             _write_text(tmp / TRAIN_STATE, json.dumps(state, indent=2, sort_keys=True))
-            for name in (DRAFT_WEIGHTS, DRAFT_CONFIG, TRAIN_STATE):
-                written[name] = _sha256(tmp / name)
+            for path in tmp.iterdir():
+                if not path.name.startswith(("rank-", ".")):  # rank files are hashed by their ranks
+                    _fsync_file(path)
+                    written[path.name] = _sha256(path)
     except OSError as e:
         error = CheckpointError(
             f"could not write the checkpoint: {e}", where=str(tmp), fix="free disk space or fix permissions"

@@ -73,8 +73,8 @@ def format_line(record: MetricsRecord) -> str:
 class MetricsLogger:
     """Accumulates one log window per rank and publishes the reduced record from rank 0.
 
-    ``derive`` maps the summed objective sums to named metrics (loss, acc_k, ...); it runs on
-    rank 0 after the cross-rank sum. ``sp_size`` is the sequence-parallel width (ranks that share
+    ``derive`` maps the summed objective sums (CPU float64 tensors, shapes as given) to named
+    float metrics (loss, acc_k, ...); it runs on rank 0 after the cross-rank sum. ``sp_size`` is the sequence-parallel width (ranks that share
     one sample), 1 in colocated mode.
     """
 
@@ -84,7 +84,7 @@ class MetricsLogger:
         d: Dist,
         *,
         total_steps: int,
-        derive: Callable[[dict[str, float]], dict[str, float]],
+        derive: Callable[[dict[str, torch.Tensor]], dict[str, float]],
         sp_size: int = 1,
         echo: bool = True,
     ):
@@ -103,7 +103,7 @@ class MetricsLogger:
 
     def _reset(self) -> None:
         self.window_start = time.perf_counter()
-        self.sums: dict[str, float | torch.Tensor] = {}
+        self.sums: dict[str, torch.Tensor] = {}
         self.samples = 0
         self.wait_s = 0.0
         self.capture_s = 0.0
@@ -123,12 +123,15 @@ class MetricsLogger:
     ) -> None:
         """One micro-batch on this rank: objective sums, samples trained, seconds waited/captured.
 
-        ``sums`` may hold device tensors: they are added on the device and read once per flush,
-        so logging does not synchronise the device every micro-batch.
+        ``sums`` values are numbers or tensors of any shape (e.g. one entry per unrolled step),
+        the same keys and shapes on every rank. Device tensors are added on the device and read
+        once per flush, so logging does not synchronise the device every micro-batch.
         """
         for key, value in sums.items():
-            value = value.detach() if isinstance(value, torch.Tensor) else float(value)
-            self.sums[key] = self.sums.get(key, 0.0) + value
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+            value = torch.as_tensor(value, dtype=torch.float64)
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
         self.samples += samples
         self.wait_s += wait_s
         self.capture_s += capture_s
@@ -155,7 +158,9 @@ class MetricsLogger:
         """Reduce the window over ranks (collective) and publish it on rank 0; returns the record there."""
         elapsed = time.perf_counter() - self.window_start
         keys = sorted(self.sums)
-        summed = all_reduce(self.d, [float(self.sums[k]) for k in keys] + [self.wait_s, self.capture_s])
+        values = torch.cat([self.sums[k].reshape(-1).cpu() for k in keys]).tolist() if keys else []
+        summed = all_reduce(self.d, values + [self.wait_s, self.capture_s])
+        shapes = {k: self.sums[k].shape for k in keys}
         memory = _peak_memory(self.d.device)
         peaks = all_reduce(self.d, [elapsed, self.peak_staged_bytes, *memory.values()], op="max")
         samples, steps, grad_norm_sum, lr = self.samples, self.steps, self.grad_norm_sum, self.lr
@@ -167,7 +172,12 @@ class MetricsLogger:
         window_s = max(peaks[0], 1e-9)
         wait_s, capture_s = summed[-2] / world, summed[-1] / world
         record: MetricsRecord = {"step": step, "total_steps": self.total_steps}
-        record.update(self.derive(dict(zip(keys, summed[: len(keys)]))))
+        reduced, offset = {}, 0
+        for key in keys:
+            n = shapes[key].numel()
+            reduced[key] = torch.tensor(summed[offset : offset + n], dtype=torch.float64).reshape(shapes[key])
+            offset += n
+        record.update(self.derive(reduced))
         record.update(
             lr=lr,
             grad_norm=grad_norm_sum / max(steps, 1),

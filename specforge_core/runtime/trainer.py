@@ -3,7 +3,7 @@
     trainer = Trainer(cfg, d, plan, draft=draft, objective=objective, derive=derive,
                       open_stream=lambda start: RolloutStream.from_plan(plan, d.rank, rows, backend,
                                                                         start_sample=start),
-                      contract=contract, draft_config=draft_config)
+                      contract=contract, write_draft_files=write_draft_files)
     trainer.fit()       # resume (per training.resume) → train to the plan's horizon → final save
 
 ``python -m specforge_core.train`` builds these pieces from a run config; this module knows nothing
@@ -134,7 +134,7 @@ class Trainer:
         derive: Callable[[dict[str, float]], dict[str, float]],
         open_stream: Callable[[int], RolloutStream],
         contract: dict,
-        draft_config: dict,
+        write_draft_files: Callable[[Path, dict[str, torch.Tensor]], None],
         echo: bool = True,
     ):
         t = cfg.training
@@ -159,7 +159,7 @@ class Trainer:
         )
         self.open_stream = open_stream
         self.contract = contract
-        self.draft_config = draft_config
+        self.write_draft_files = write_draft_files
         self.echo = echo
         self.step = 0  # optimizer steps done
         self.consumed_samples = 0  # samples this rank has trained (the plan's resume cursor)
@@ -269,7 +269,7 @@ class Trainer:
             draft=self.draft,
             optimizer=self.optimizer.optimizer,
             scheduler=self.optimizer.scheduler,
-            draft_config=self.draft_config,
+            write_draft_files=self.write_draft_files,
             train_state=state,
             keep=self.cfg.training.keep_checkpoints,
         )

@@ -5,11 +5,15 @@
 ``fn(rank, *args)`` in each and returns what each returned (rank order). ``fn`` must be a
 module-level function of an importable module; results travel through ``torch.save`` files.
 
+``write_draft_files`` stores a draft state the plain way (``draft.safetensors`` + a config); the
+trainer passes the export module's writer for the EAGLE3 draft.
+
 ``TinyDraft`` has the draft's shape in miniature (frozen embedding, fc, one layer, norm, lm_head,
 a d2t buffer) and ``TinyStep`` is the root a trainer shards: its forward computes a loss by
 calling the draft's units, as the EAGLE3 objective does.
 """
 
+import json
 import os
 import socket
 import tempfile
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import save_file
 from torch import nn
 
 
@@ -104,3 +109,8 @@ def tiny_batch(seed: int, batch: int = 4, seq: int = 6, hidden: int = 8, vocab: 
 
 def split_batch(batch: dict, parts: int, index: int) -> dict:
     return {k: v.chunk(parts)[index] for k, v in batch.items()}
+
+
+def write_draft_files(directory: Path, state: dict) -> None:
+    save_file({k: v.contiguous() for k, v in state.items()}, str(Path(directory) / "draft.safetensors"))
+    (Path(directory) / "draft_config.json").write_text(json.dumps({"keys": sorted(state)}))

@@ -24,7 +24,7 @@ from specforge_core.runtime.checkpoint import (
 )
 from specforge_core.runtime.distributed import close_distributed, init_distributed
 from specforge_core.runtime.optim import DraftOptimizer, shard
-from tests.runtime.harness import TinyDraft, TinyStep, run_ranks, tiny_batch
+from tests.runtime.harness import TinyDraft, TinyStep, run_ranks, tiny_batch, write_draft_files
 
 CONTRACT = {"seed": 42, "world_size": 2, "plan": {"batch_size": 2, "accumulation_steps": 1}}
 
@@ -63,7 +63,7 @@ def _save(run_dir, d, draft, opt, step, keep=2):
         draft=draft,
         optimizer=opt.optimizer,
         scheduler=opt.scheduler,
-        draft_config={"hidden_size": 8},
+        write_draft_files=write_draft_files,
         train_state={"consumed_samples": step * 4, "contract": CONTRACT},
         keep=keep,
     )

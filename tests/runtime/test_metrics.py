@@ -13,7 +13,7 @@ from tests.runtime.harness import run_ranks
 
 
 def derive(sums):
-    return {"loss": sums["loss_sum"] / sums["count"], "acc_0": sums["acc_0_num"] / sums["acc_0_den"]}
+    return {"loss": float(sums["loss_sum"] / sums["count"]), "acc_0": float(sums["acc_0_num"] / sums["acc_0_den"])}
 
 
 def _metrics_worker(rank, run_dir):
@@ -122,6 +122,22 @@ def test_tensor_sums_from_the_objective_are_accumulated(tmp_path):
     logger.add_step(grad_norm=0.1, lr=1.0)
     record = logger.flush(step=1)
     assert record["loss"] == 2.0 and record["acc_0"] == 0.25
+
+
+def test_vector_sums_keep_their_shape_through_the_reduction(tmp_path):
+    seen = {}
+
+    def per_step(sums):
+        seen.update(sums)
+        return {"acc_1": float(sums["correct"][1] / sums["total"][1])}
+
+    logger = MetricsLogger(tmp_path, _one_rank(), total_steps=1, derive=per_step, echo=False)
+    for _ in range(2):
+        sums = {"correct": torch.tensor([3.0, 1.0]), "total": torch.tensor([4.0, 4.0]), "positions": 8}
+        logger.add_micro_batch(sums, samples=1, wait_s=0.0, capture_s=0.0)
+    logger.add_step(grad_norm=0.1, lr=1.0)
+    assert logger.flush(step=1)["acc_1"] == 0.25
+    assert seen["correct"].tolist() == [6.0, 2.0] and seen["positions"].shape == ()
 
 
 def test_records_after_the_resumed_step_are_discarded(tmp_path):

@@ -22,7 +22,7 @@ from specforge_core.runtime.distributed import close_distributed, init_distribut
 from specforge_core.runtime.metrics import METRICS_FILE
 from specforge_core.runtime.rollout import RolloutStream
 from specforge_core.runtime.trainer import Trainer, directory_identity, training_contract
-from tests.runtime.harness import run_ranks
+from tests.runtime.harness import run_ranks, write_draft_files
 
 ROWS = 24  # world 2 × batch 2 × accumulation 2 = 8 prompts per step → 3 steps per epoch, 6 in all
 
@@ -52,7 +52,7 @@ def probe_objective(draft, batch):
 
 
 def probe_derive(sums):
-    return {"loss": sums["loss_sum"] / sums["tokens"], "acc_0": sums["hits"] / sums["tokens"]}
+    return {"loss": float(sums["loss_sum"] / sums["tokens"]), "acc_0": float(sums["hits"] / sums["tokens"])}
 
 
 def make_rows(n=ROWS, seed=0):
@@ -108,7 +108,7 @@ def build_trainer(d, cfg, crash_at=None):
         return streams[-1]
 
     trainer = Trainer(cfg, d, plan, draft=draft, objective=probe_objective, derive=probe_derive,
-                      open_stream=open_stream, contract=contract, draft_config={"hidden": 32}, echo=False)
+                      open_stream=open_stream, contract=contract, write_draft_files=write_draft_files, echo=False)
     return trainer, streams
 
 
