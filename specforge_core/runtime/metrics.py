@@ -74,8 +74,8 @@ class MetricsLogger:
     """Accumulates one log window per rank and publishes the reduced record from rank 0.
 
     ``derive`` maps the summed objective sums (CPU float64 tensors, shapes as given) to named
-    float metrics (loss, acc_k, ...); it runs on rank 0 after the cross-rank sum. ``sp_size`` is the sequence-parallel width (ranks that share
-    one sample), 1 in colocated mode.
+    float metrics (loss, acc_k, ...); it runs on rank 0 after the cross-rank sum. ``sp_size`` is
+    the sequence-parallel width (ranks that share one sample), 1 in colocated mode.
     """
 
     def __init__(
