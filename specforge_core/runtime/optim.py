@@ -1,22 +1,19 @@
 """FSDP2 over the draft, AdamW with fp32 master weights, global gradient clipping, accumulation.
 
 The trainer hands over one ``root`` module whose ``forward`` runs the whole training step (the
-objective over the draft), plus the ``units`` the objective calls inside it (the draft's
-children: ``fc``, ``midlayer``, ``norm``, ``lm_head`` ...). :func:`shard` gives every unit its own
-FSDP2 group and the root the rest, so calling a unit's ``forward`` from inside the objective
-gathers its parameters, and the root's hooks bracket the step.
+objective over the draft). :func:`shard` makes all its trainable parameters one FSDP2 group:
+the root's forward gathers them once, the objective then calls whatever draft methods it likes
+(``project_hidden``, ``midlayer.project_qkv``, ``compute_logits`` ...) on ordinary tensors, and
+the gathered parameters stay until the end of backward (``reshard_after_forward=False``, like
+FSDP1's SHARD_GRAD_OP): the TTT unroll uses the layer K times per micro-batch, and the draft is a
+single layer, so finer groups would only add collectives.
 
 Parameters are kept sharded in fp32: they are the master weights and AdamW's state is fp32 too.
 With ``param_dtype=bfloat16`` a ``MixedPrecisionPolicy`` gathers them as bf16 for compute and
 reduce-scatters gradients in fp32. Frozen parameters (the embedding copied from the target) are
 not sharded: every rank keeps one copy in the compute dtype and FSDP never gathers it.
-
-Units keep their gathered parameters from forward to the end of backward
-(``reshard_after_forward=False``, like FSDP1's SHARD_GRAD_OP): the TTT unroll calls the draft's
-layer K times per micro-batch and each call would otherwise gather it again.
 """
 
-from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -31,17 +28,12 @@ from specforge_core.runtime.schedule import build_scheduler
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def shard(
-    root: nn.Module,
-    d: Dist,
-    *,
-    units: Iterable[nn.Module],
-    param_dtype: Literal["float32", "bfloat16"] = "float32",
-) -> FSDPModule:
-    """Apply ``fully_shard`` to each unit with trainable parameters, then to ``root``; returns root.
+def shard(root: nn.Module, d: Dist, *, param_dtype: Literal["float32", "bfloat16"] = "float32") -> FSDPModule:
+    """Apply ``fully_shard`` to ``root`` over ``d.mesh``; returns it (now an ``FSDPModule``).
 
     Moves ``root`` to ``d.device`` and keeps trainable parameters in fp32 (master weights).
-    Frozen parameters are cast to ``param_dtype`` and left unsharded on every rank.
+    Frozen parameters are cast to ``param_dtype`` and left unsharded on every rank. Buffers keep
+    their dtype (RoPE tables stay fp32, the vocab map int64/bool).
     """
     compute = _DTYPES[param_dtype]
     root.to(d.device)
@@ -49,24 +41,14 @@ def shard(
     with torch.no_grad():
         for p in root.parameters():
             p.data = p.data.to(compute if p in frozen else torch.float32)
-    mixed = compute != torch.float32
-    unit_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if mixed else None
-    # The root's inputs are the captured batch: leave them in the precision the capture produced.
-    root_policy = (
-        MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        if mixed
-        else None
-    )
-    for unit in units:
-        if any(p.requires_grad for p in unit.parameters()):
-            _fully_shard(unit, d, unit_policy, frozen)
-    _fully_shard(root, d, root_policy, frozen)
+    kwargs = {}
+    if compute != torch.float32:
+        # The root's inputs are the captured batch: leave them in the precision the capture produced.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    fully_shard(root, mesh=d.mesh, reshard_after_forward=False, ignored_params=frozen or None, **kwargs)
     return root  # type: ignore[return-value]
-
-
-def _fully_shard(module: nn.Module, d: Dist, policy: MixedPrecisionPolicy | None, frozen: set) -> None:
-    kwargs = {"mp_policy": policy} if policy is not None else {}
-    fully_shard(module, mesh=d.mesh, reshard_after_forward=False, ignored_params=frozen or None, **kwargs)
 
 
 class DraftOptimizer:

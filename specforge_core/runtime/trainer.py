@@ -143,7 +143,7 @@ class Trainer:
         self.total_steps = plan.total_optimizer_steps
         self.accumulation_steps = plan.accumulation_steps
         self.draft = draft
-        self.root = shard(TrainStep(draft, objective), d, units=list(draft.children()), param_dtype=t.param_dtype)
+        self.root = shard(TrainStep(draft, objective), d, param_dtype=t.param_dtype)
         self.optimizer = DraftOptimizer(
             self.root,
             learning_rate=t.learning_rate,

@@ -10,7 +10,7 @@ trainer passes the export module's writer for the EAGLE3 draft.
 
 ``TinyDraft`` has the draft's shape in miniature (frozen embedding, fc, one layer, norm, lm_head,
 a d2t buffer) and ``TinyStep`` is the root a trainer shards: its forward computes a loss by
-calling the draft's units, as the EAGLE3 objective does.
+calling the draft's methods and submodules (not its ``forward``), as the EAGLE3 objective does.
 """
 
 import json
@@ -78,9 +78,13 @@ class TinyDraft(nn.Module):
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.arange(draft_vocab) * 2)
 
+    def advance(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """One unrolled step's layer (a method, like the EAGLE3 layer's ``project_qkv``)."""
+        return hidden + self.midlayer(torch.cat([embeds, hidden], dim=-1))
+
 
 class TinyStep(nn.Module):
-    """Root of the training step: a two-step unroll over the draft's units, soft-target CE."""
+    """Root of the training step: a two-step unroll over the draft, soft-target CE."""
 
     def __init__(self, draft: TinyDraft):
         super().__init__()
@@ -88,11 +92,11 @@ class TinyStep(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         d = self.draft
-        h = d.fc(batch["aux"])
+        h = d.fc(batch["aux"].to(d.fc.weight.dtype))  # inputs stay in capture precision: cast here
         loss = 0.0
         for k in range(2):
             e = d.embed_tokens(batch["ids"].roll(-k, dims=1))
-            h = h + d.midlayer(torch.cat([e, h], dim=-1))
+            h = d.advance(e, h)
             logits = d.lm_head(d.norm(h)).float()
             loss = loss + 0.8**k * -(batch["target"] * logits.log_softmax(-1)).sum(-1).mean()
         return loss

@@ -14,14 +14,10 @@ STEPS = 4
 HYPER = dict(learning_rate=1e-2, weight_decay=0.01, max_grad_norm=0.5, warmup_ratio=0.25, lr_scheduler="cosine")
 
 
-def _units(draft):
-    return [draft.fc, draft.midlayer, draft.norm, draft.lm_head]
-
-
 def _build(d, accumulation, param_dtype="float32"):
     torch.manual_seed(0)
     draft = TinyDraft()
-    root = shard(TinyStep(draft), d, units=_units(draft), param_dtype=param_dtype)
+    root = shard(TinyStep(draft), d, param_dtype=param_dtype)
     opt = DraftOptimizer(root, accumulation_steps=accumulation, total_steps=STEPS, **HYPER)
     return draft, root, opt
 
