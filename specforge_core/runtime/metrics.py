@@ -17,6 +17,9 @@ What the numbers mean:
 - ``samples_per_s``: global, samples one rank trained in the window × (world // sp_size) / the
   slowest rank's window time (every rank of a target-TP island trains its own slice);
 - ``capture_share``: time inside target capture / window time, averaged over ranks;
+  ``captures``: target captures in the window, all ranks together (one per micro-batch per rank:
+  a resumed run that re-captured skipped prompts would show more); ``capture_tokens_per_s``:
+  tokens the target computed per second of capture, per rank;
 - ``bubble``: time the trainer waited for its next batch (capture, staging, peers) / window time,
   averaged over ranks: the share of the step the draft was not training;
 - ``peak_mem_allocated_bytes`` / ``peak_mem_reserved_bytes`` (CUDA, since start) or
@@ -107,6 +110,8 @@ class MetricsLogger:
         self.samples = 0
         self.wait_s = 0.0
         self.capture_s = 0.0
+        self.captures = 0
+        self.captured_tokens = 0
         self.steps = 0
         self.grad_norm_sum = 0.0
         self.lr = 0.0
@@ -119,9 +124,12 @@ class MetricsLogger:
         samples: int,
         wait_s: float,
         capture_s: float,
+        captures: int = 0,
+        captured_tokens: int = 0,
         staged_bytes: int = 0,
     ) -> None:
-        """One micro-batch on this rank: objective sums, samples trained, seconds waited/captured.
+        """One micro-batch on this rank: objective sums, samples trained, seconds waited/captured,
+        captures and the tokens they computed, the stream's peak staged bytes.
 
         ``sums`` values are numbers or tensors of any shape (e.g. one entry per unrolled step),
         the same keys and shapes on every rank. Device tensors are added on the device and read
@@ -135,6 +143,8 @@ class MetricsLogger:
         self.samples += samples
         self.wait_s += wait_s
         self.capture_s += capture_s
+        self.captures += captures
+        self.captured_tokens += captured_tokens
         self.peak_staged_bytes = max(self.peak_staged_bytes, staged_bytes)
 
     def add_step(self, *, grad_norm: float, lr: float) -> None:
@@ -159,7 +169,7 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self.window_start
         keys = sorted(self.sums)
         values = torch.cat([self.sums[k].reshape(-1).cpu() for k in keys]).tolist() if keys else []
-        summed = all_reduce(self.d, values + [self.wait_s, self.capture_s])
+        summed = all_reduce(self.d, values + [self.captures, self.captured_tokens, self.wait_s, self.capture_s])
         shapes = {k: self.sums[k].shape for k in keys}
         memory = _peak_memory(self.d.device)
         peaks = all_reduce(self.d, [elapsed, self.peak_staged_bytes, *memory.values()], op="max")
@@ -170,7 +180,7 @@ class MetricsLogger:
 
         world = self.d.world_size
         window_s = max(peaks[0], 1e-9)
-        wait_s, capture_s = summed[-2] / world, summed[-1] / world
+        captures, captured_tokens, wait_s, capture_s = summed[-4], summed[-3], summed[-2] / world, summed[-1] / world
         record: MetricsRecord = {"step": step, "total_steps": self.total_steps}
         reduced, offset = {}, 0
         for key in keys:
@@ -184,6 +194,8 @@ class MetricsLogger:
             samples_per_s=samples * (world // self.sp_size) / window_s,
             step_time_s=window_s / max(steps, 1),
             capture_share=capture_s / window_s,
+            captures=int(captures),
+            capture_tokens_per_s=captured_tokens / (capture_s * world) if capture_s > 0 else 0.0,
             bubble=wait_s / window_s,
             peak_staged_bytes=int(peaks[1]),
             time=time.time(),

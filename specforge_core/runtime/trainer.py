@@ -227,7 +227,7 @@ class Trainer:
             if self.d.device.type == "cuda":
                 # Drain the previous step's kernels so the time spent in next() is the capture's.
                 torch.cuda.synchronize(self.d.device)
-            captured_before = stats.capture_seconds
+            before = (stats.capture_seconds, stats.captures, stats.island_tokens)
             start = time.perf_counter()
             batch = next(stream, None)
             if batch is None:
@@ -246,7 +246,9 @@ class Trainer:
                 sums,
                 samples=samples,
                 wait_s=wait_s,
-                capture_s=stats.capture_seconds - captured_before,
+                capture_s=stats.capture_seconds - before[0],
+                captures=stats.captures - before[1],
+                captured_tokens=stats.island_tokens - before[2],
                 staged_bytes=stats.peak_staged_bytes,
             )
         self.metrics.add_step(**self.optimizer.step())

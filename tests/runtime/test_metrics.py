@@ -34,6 +34,8 @@ def _metrics_worker(rank, run_dir):
                     samples=4,
                     wait_s=0.1 * (rank + 1),
                     capture_s=0.05 * (rank + 1),
+                    captures=1,
+                    captured_tokens=100,
                     staged_bytes=1000 * (rank + 1),
                 )
                 logger.add_step(grad_norm=1.0, lr=1e-4)
@@ -73,6 +75,12 @@ def test_capture_share_and_bubble_are_rank_means_over_the_window(two_ranks):
     window = _window_s(record)
     assert record["capture_share"] * window == pytest.approx((0.1 + 0.2) / 2)
     assert record["bubble"] * window == pytest.approx((0.2 + 0.4) / 2)
+
+
+def test_captures_are_counted_over_ranks_and_throughput_is_per_rank(two_ranks):
+    record = two_ranks[1][0]["records"][1]
+    assert record["captures"] == 4
+    assert record["capture_tokens_per_s"] == pytest.approx(400 / (0.1 + 0.2))
 
 
 def test_peaks_are_maxima_over_ranks_and_cpu_reports_rss(two_ranks):

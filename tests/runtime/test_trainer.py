@@ -174,6 +174,11 @@ def test_resume_starts_from_the_last_complete_checkpoint(runs):
     assert [r["resumed_from"] for r in runs["resumed"]] == ["step-00000003", "step-00000003"]
 
 
+def test_metrics_count_one_capture_per_micro_batch_per_rank(runs):
+    records = [json.loads(x) for x in (Path(runs["crashed_dir"]) / METRICS_FILE).read_text().splitlines()]
+    assert [r["captures"] for r in records] == [2 * 2] * 6
+
+
 def test_resume_never_captures_the_consumed_prompts(runs):
     # 3 remaining steps × 2 micro-batches; the 6 consumed micro-batches are skipped, not re-captured.
     assert [r["captures"] for r in runs["resumed"]] == [3 * 2, 3 * 2]
