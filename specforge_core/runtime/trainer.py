@@ -131,7 +131,7 @@ class Trainer:
         *,
         draft: nn.Module,
         objective: Objective,
-        derive: Callable[[dict[str, float]], dict[str, float]],
+        derive: Callable[[dict[str, torch.Tensor]], dict[str, float]],
         open_stream: Callable[[int], RolloutStream],
         contract: dict,
         write_draft_files: Callable[[Path, dict[str, torch.Tensor]], None],
@@ -163,6 +163,7 @@ class Trainer:
         self.echo = echo
         self.step = 0  # optimizer steps done
         self.consumed_samples = 0  # samples this rank has trained (the plan's resume cursor)
+        self.resumed_from: Path | None = None
 
     # ---- resume --------------------------------------------------------------------------------
 
@@ -181,6 +182,7 @@ class Trainer:
                     where=str(self.run_dir / "checkpoints"),
                     fix="set training.resume=auto to start fresh, or point output.dir at the run to resume",
                 )
+            self.metrics.discard_after(0)  # lines of an earlier attempt that never checkpointed
             return None
         if mode == "never":
             raise ResumeError(
@@ -196,6 +198,7 @@ class Trainer:
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples_per_rank"]
         self.metrics.discard_after(self.step)
+        self.resumed_from = ckpt
         if self.d.is_main and self.echo:
             print(f"resumed from {ckpt} at step {self.step}/{self.total_steps}", flush=True)
         return ckpt

@@ -130,9 +130,12 @@ def _worker(rank, target_dir, straight_dir, crashed_dir):
         crashing.fit()
     del crashing
     resuming, streams = build_trainer(d, make_config(target_dir, crashed_dir))
-    resumed_from = resuming.resume()
     resuming.fit()
-    resumed = {**_stream_report(streams), "resumed_from": resumed_from.name, "consumed": resuming.consumed_samples}
+    resumed = {
+        **_stream_report(streams),
+        "resumed_from": resuming.resumed_from.name,
+        "consumed": resuming.consumed_samples,
+    }
     close_distributed()
     return {"straight": straight, "resumed": resumed}
 
@@ -225,6 +228,13 @@ def test_resume_never_refuses_a_directory_with_checkpoints(world_of_one, tiny_ta
     trainer, _ = build_trainer(world_of_one, make_config(tiny_target_dir, saved_run, world_size=1, resume="never"))
     with pytest.raises(ResumeError, match="training.resume=never"):
         trainer.resume()
+
+
+def test_fresh_start_drops_metrics_of_an_attempt_that_never_checkpointed(world_of_one, tiny_target_dir, tmp_path):
+    (tmp_path / METRICS_FILE).write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    trainer, _ = build_trainer(world_of_one, make_config(tiny_target_dir, tmp_path, world_size=1))
+    assert trainer.resume() is None
+    assert (tmp_path / METRICS_FILE).read_text() == ""
 
 
 def test_resume_must_refuses_a_run_without_checkpoints(world_of_one, tiny_target_dir, tmp_path):
