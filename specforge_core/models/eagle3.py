@@ -22,6 +22,7 @@ positions attending over given extra key/value rows.
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -87,6 +88,11 @@ class Eagle3DecoderLayer(nn.Module):
         b, nh, t, hd = attn.shape
         h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, nh * hd))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, embeds, hidden, cos, sin, attend: Callable) -> torch.Tensor:
+        """The layer with the attention pattern supplied by ``attend(q, k, v) -> [B,nh,T,hd]``."""
+        q, k, v = self.project_qkv(embeds, hidden, cos, sin)
+        return self.complete(hidden, attend(q, k, v))
 
 
 class Eagle3DraftModel(nn.Module):
@@ -155,6 +161,30 @@ class Eagle3DraftModel(nn.Module):
         """Draft-vocab logits ``lm_head(norm(hidden))`` ``[..., Vd]``."""
         return self.lm_head(self.norm(hidden))
 
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attend: Callable,
+        hidden: torch.Tensor | None = None,
+        aux_hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for every row: ``(new pre-norm hidden [B,T,H], logits [B,T,Vd])``.
+
+        ``input_ids [B,T]`` are the tokens following each row's hidden state, ``position_ids
+        [B,T]`` their RoPE positions, ``attend(q, k, v)`` the attention over this step's q/k/v
+        (``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]``, rotated) and whatever keys it keeps. Give
+        ``aux_hidden`` (first step: ``project_hidden`` is applied) or the carried ``hidden``.
+        The training objective calls the draft only through this forward, so wrappers that hook
+        ``forward`` (FSDP2) see every parameter use.
+        """
+        if aux_hidden is not None:
+            hidden = self.project_hidden(aux_hidden)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary_emb(embeds, position_ids)
+        hidden = self.midlayer(embeds, hidden, cos, sin, attend)
+        return hidden, self.compute_logits(hidden)
+
     def step(
         self,
         input_ids: torch.Tensor,
@@ -173,26 +203,31 @@ class Eagle3DraftModel(nn.Module):
         Returns the new pre-norm hidden ``[B,Tq,H]`` (logits: ``compute_logits``) and the new
         rows' ``(k, v)`` ``[B,nkv,Tq,hd]`` for the caller's cache.
         """
+        new_rows = []
+
+        def attend(q, k, v):
+            new_rows.append((k, v))
+            keys, values = k, v
+            if past_key_values is not None:
+                keys = torch.cat([past_key_values[0], k], dim=2)
+                values = torch.cat([past_key_values[1], v], dim=2)
+            b, tq, tk = q.shape[0], q.shape[2], keys.shape[2]
+            mask = attention_mask
+            if mask is None:
+                new = torch.ones(tq, tq, dtype=torch.bool, device=q.device).tril()
+                mask = torch.cat([new.new_ones(tq, tk - tq), new], dim=1).expand(b, tq, tk)
+            groups = q.shape[1] // k.shape[1]
+            return F.scaled_dot_product_attention(
+                q,
+                keys.repeat_interleave(groups, dim=1),
+                values.repeat_interleave(groups, dim=1),
+                attn_mask=mask[:, None],
+                scale=self.midlayer.self_attn.scaling,
+            )
+
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(embeds, position_ids)
-        q, k, v = self.midlayer.project_qkv(embeds, hidden, cos, sin)
-        keys, values = k, v
-        if past_key_values is not None:
-            keys = torch.cat([past_key_values[0], k], dim=2)
-            values = torch.cat([past_key_values[1], v], dim=2)
-        b, tq, tk = q.shape[0], q.shape[2], keys.shape[2]
-        if attention_mask is None:
-            new = torch.ones(tq, tq, dtype=torch.bool, device=q.device).tril()
-            attention_mask = torch.cat([new.new_ones(tq, tk - tq), new], dim=1).expand(b, tq, tk)
-        groups = q.shape[1] // k.shape[1]
-        attn = F.scaled_dot_product_attention(
-            q,
-            keys.repeat_interleave(groups, dim=1),
-            values.repeat_interleave(groups, dim=1),
-            attn_mask=attention_mask[:, None],
-            scale=self.midlayer.self_attn.scaling,
-        )
-        return self.midlayer.complete(hidden, attn), (k, v)
+        return self.midlayer(embeds, hidden, cos, sin, attend), new_rows[0]
 
     # --- vocabulary map and embedding ------------------------------------------------------
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:

@@ -111,20 +111,25 @@ def ttt_unroll(
     teacher = compute_teacher(last[:, 1:], lm_head_weight, draft.t2d, vocab_chunk=vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
     attention = TTTAttention(attn, seq, backend)
-    hidden = draft.project_hidden(aux)
     keys, values, steps = [], [], []
+
+    def attend(q, key, value):  # this step's keys join the ones of the earlier steps
+        keys.append(key)
+        values.append(value)
+        return attention(q, keys, values)
+
+    hidden = None
     for k in range(ttt_length):
         n = t - 1 - k  # positions t' < n have a target at t'+k+1 inside the row
         if n <= 0:
-            steps.append(_empty_terms(b, t, hidden.device))
+            steps.append(_empty_terms(b, t, ids.device))
             continue
-        embeds = draft.embed_tokens(F.pad(ids[:, 1 + k :], (0, k + 1))).to(hidden.dtype)
-        cos, sin = draft.rotary_emb(embeds, pos + k)
-        q, key, value = draft.midlayer.project_qkv(embeds, hidden, cos, sin)
-        keys.append(key)
-        values.append(value)
-        hidden = draft.midlayer.complete(hidden, attention(q, keys, values))
-        logits = draft.compute_logits(hidden)[:, :n]
+        step_ids = F.pad(ids[:, 1 + k :], (0, k + 1))
+        if k == 0:
+            hidden, logits = draft(step_ids, pos, attend, aux_hidden=aux)
+        else:
+            hidden, logits = draft(step_ids, pos + k, attend, hidden=hidden)
+        logits = logits[:, :n]
 
         here = slice(0, n)  # query positions t
         label = slice(k, k + n)  # loss mask lm[t+k] and teacher index t+k (distribution at t+k+1)

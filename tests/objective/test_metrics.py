@@ -67,7 +67,9 @@ def test_all_reduce_sums_every_key_across_ranks():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_reduce_worker, args=(2, port, queue), nprocs=2, start_method="spawn", join=True)
+    workers = mp.start_processes(_reduce_worker, args=(2, port, queue), nprocs=2, start_method="spawn", join=False)
     results = dict(queue.get() for _ in range(2))
+    while not workers.join():
+        pass
     expected = {k: (v * 3).tolist() for k, v in hand_sums().items()}
     assert results[0] == results[1] == expected
