@@ -307,7 +307,7 @@ def run_process_group(
             tail.append(line)
             if log_file:
                 log_file.write(line + "\n")
-            if budget.take():
+            if line.strip() and budget.take():
                 if budget.suppressed:
                     logger.info("(%d lines not shown here: see %s)", budget.suppressed, log_path or "stdout")
                     budget.suppressed = 0

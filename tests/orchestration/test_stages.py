@@ -39,7 +39,7 @@ def _run(config: dict) -> tuple[dict, dict[str, list[str]]]:
 
 @pytest.fixture
 def config(tmp_path, tiny_target_dir) -> dict:
-    return tiny_config(tmp_path, tiny_target_dir)
+    return tiny_config(tmp_path, tiny_target_dir, conversations=120)
 
 
 def test_a_first_run_builds_every_stage(prefect_api, config):

@@ -118,8 +118,9 @@ def test_sigkilled_flow_leaves_ranks_that_the_recorded_group_kill_removes(prefec
     pids = wait_for(lambda: read_pids(tmp_path / "pids.json"), 60, "the launcher and its 2 ranks")
     os.kill(proc.pid, signal.SIGKILL)  # no except clause runs: the ranks are orphaned
     proc.wait(10)
-    assert all(alive(p) for p in pids)
-    assert kill_recorded_group(tmp_path / "launcher.pgid", grace_s=5) == 3
+    ranks = pids[1:]  # (the launcher itself may die of the broken pipe to its dead reader)
+    assert all(alive(p) for p in ranks)
+    assert kill_recorded_group(tmp_path / "launcher.pgid", grace_s=5) >= len(ranks)
     wait_for(lambda: not any(alive(p) for p in pids), 10, "the orphaned ranks to be gone")
 
 
