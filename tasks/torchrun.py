@@ -4,25 +4,26 @@
     outcome = run_process_group(
         ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "specforge_core.train", ...],
         metrics_path=run_dir / "metrics.jsonl", log_path=run_dir / "train.log",
-        pgid_path=run_dir / "train.pgid")
+        tree_path=run_dir / "train.tree")
 
 What it guarantees, in order of importance:
 
-* **No orphaned ranks.** The command starts in its own session (so its process group is ours to
-  kill, and a process worker's ``killpg`` of the flow-run group does not race with it). On ANY
-  exception while it runs (Prefect's ``TerminationSignal`` on cancel or SIGTERM, ``KeyboardInterrupt``,
-  an error of ours), the whole group gets SIGTERM, then SIGKILL after ``kill_grace_s`` for members
-  that are still there, and the exception is re-raised.
+* **No orphaned ranks.** The command starts in its own session (so a process worker's ``killpg``
+  of the flow-run group does not race with us), tagged with an environment variable every
+  descendant inherits. On ANY exception while it runs (Prefect's ``TerminationSignal`` on cancel
+  or SIGTERM, ``KeyboardInterrupt``, an error of ours), the launcher's group gets SIGTERM, every
+  tagged process still alive after ``kill_grace_s`` gets SIGKILL, and the exception is re-raised.
+  The tag matters: torchrun starts each rank in a session of its own, so no process group holds
+  them all.
 * **Every line is kept, the API is not flooded.** Merged stdout/stderr go line by line to
   ``log_path`` (full) and to the Prefect run logger through a token bucket; suppressed lines are
   counted in the next logged line. On failure the last lines are in the exception message.
 * **Progress and metrics stay current.** ``step=i/N`` lines update one progress artifact
-  (optimizer steps done / total); ``metrics.jsonl`` is re-read into a table artifact at most every
-  ``metrics_refresh_s`` and once at the end.
+  (optimizer steps done / total); ``metrics.jsonl`` is mirrored into one table artifact, updated
+  at most every ``metrics_refresh_s`` and once at the end.
 
-``pgid_path`` records the group id and the leader's start time, so a later
-``python -m flows.recover`` can kill a group whose flow-run process was SIGKILLed (the one case no
-``except`` can see).
+``tree_path`` records the tag, so ``python -m flows.recover`` can stop a tree whose flow-run
+process was SIGKILLed (the one case no ``except`` can see).
 """
 
 import json
@@ -33,6 +34,7 @@ import re
 import signal
 import subprocess
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,8 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
 STEP_LINE = re.compile(r"\bstep=(\d+)/(\d+)\b")
+# Every process of a launched tree inherits this variable with the tree's own value.
+TREE_TOKEN_ENV = "SPECFORGE_PROCESS_TREE"
 
 
 @dataclass
@@ -69,7 +73,7 @@ class ProcessGroupFailed(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Killing a process group
+# Killing a process group, and a whole process tree
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
@@ -87,9 +91,7 @@ def group_members(pgid: int) -> list[psutil.Process]:
 def kill_process_group(pgid: int, *, grace_s: float = 15.0, leader: subprocess.Popen | None = None) -> None:
     """SIGTERM every process in group ``pgid``; SIGKILL whatever is still alive after ``grace_s``.
 
-    SIGTERM first because torchrun forwards it to its ranks and they may flush a log line; the
-    SIGKILL sweep covers ranks stuck in a collective. ``leader`` (our Popen) is reaped as we go so
-    it does not linger as a zombie of this process.
+    ``leader`` (our Popen) is reaped as we go so it does not linger as a zombie of this process.
     """
     try:
         os.killpg(pgid, signal.SIGTERM)
@@ -113,37 +115,79 @@ def kill_process_group(pgid: int, *, grace_s: float = 15.0, leader: subprocess.P
             pass
 
 
-def write_pgid_record(path: Path, pid: int) -> None:
-    """Record ``pid``'s group and start time, so a recovery tool kills only this very group."""
-    record = {"pgid": os.getpgid(pid), "pid": pid, "create_time": psutil.Process(pid).create_time()}
+def tree_members(token: str) -> list[psutil.Process]:
+    """Live processes whose environment carries ``TREE_TOKEN_ENV=token``: the launched command and
+    everything it started, whatever their session, process group or parent is now."""
+    members = []
+    for p in psutil.process_iter(["status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
+            continue
+        try:
+            if p.environ().get(TREE_TOKEN_ENV) == token:
+                members.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return members
+
+
+def _signal_all(processes: list[psutil.Process], sig: int) -> None:
+    for p in processes:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def stop_process_tree(token: str, *, grace_s: float = 15.0, leader: subprocess.Popen | None = None) -> int:
+    """Stop every process of the tree tagged ``token``; returns how many were alive.
+
+    SIGTERM goes to the leader's process group if the leader lives (torchrun then stops its ranks
+    itself and they may flush a line), else to every member; whatever is left after ``grace_s``
+    (a rank stuck in a collective, a rank whose launcher is gone) gets SIGKILL. torchrun starts
+    each rank in a session of its own, so neither the flow-run's nor torchrun's process group
+    holds the ranks: the environment tag does.
+    """
+    members = tree_members(token)
+    if not members:
+        return 0
+    if leader is not None and leader.poll() is None:
+        try:
+            os.killpg(leader.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            _signal_all(members, signal.SIGTERM)
+    else:
+        _signal_all(members, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if leader is not None:
+            leader.poll()
+        if not tree_members(token):
+            return len(members)
+        time.sleep(0.2)
+    _signal_all(tree_members(token), signal.SIGKILL)
+    if leader is not None:
+        try:
+            leader.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+    return len(members)
+
+
+def write_tree_record(path: Path, pid: int, token: str) -> None:
+    """Record the launched tree (leader pid, start time, tag) for ``kill_recorded_tree``."""
+    record = {"pid": pid, "create_time": psutil.Process(pid).create_time(), "token": token}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
 
-def kill_recorded_group(path: Path, *, grace_s: float = 15.0) -> int:
-    """Kill the group recorded by ``write_pgid_record`` if its leader is still the same process.
-
-    Returns the number of processes that were alive in the group (0: nothing to do). A leader
-    whose start time differs is a reused pid: left alone.
-    """
+def kill_recorded_tree(path: Path, *, grace_s: float = 15.0) -> int:
+    """Stop the tree recorded by ``write_tree_record`` (for a flow-run process that was SIGKILLed);
+    returns how many of its processes were alive (0: nothing to do)."""
     if not path.is_file():
         return 0
-    record = json.loads(path.read_text())
-    members = group_members(record["pgid"])
-    if not members:
-        return 0
-    try:
-        same = abs(psutil.Process(record["pid"]).create_time() - record["create_time"]) < 1e-3
-    except psutil.NoSuchProcess:
-        # The leader is gone but ranks of its group survive: they are ours (a session id is not
-        # reused while any member of it lives).
-        same = True
-    if not same:
-        return 0
-    kill_process_group(record["pgid"], grace_s=grace_s)
-    return len(members)
+    return stop_process_tree(json.loads(path.read_text())["token"], grace_s=grace_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +309,7 @@ def run_process_group(
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
     log_path: Path | None = None,
-    pgid_path: Path | None = None,
+    tree_path: Path | None = None,
     metrics_path: Path | None = None,
     progress_key: str | None = "training-progress",
     metrics_key: str = "training-metrics",
@@ -286,6 +330,7 @@ def run_process_group(
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "a", encoding="utf-8", buffering=1)
 
+    token = uuid.uuid4().hex
     logger.info("running: %s", " ".join(cmd))
     proc = subprocess.Popen(
         cmd,
@@ -295,12 +340,12 @@ def run_process_group(
         errors="replace",
         bufsize=1,
         cwd=cwd,
-        env={**(env if env is not None else os.environ), "PYTHONUNBUFFERED": "1"},
+        env={**(env if env is not None else os.environ), "PYTHONUNBUFFERED": "1", TREE_TOKEN_ENV: token},
         start_new_session=True,
     )
     try:
-        if pgid_path is not None:
-            write_pgid_record(Path(pgid_path), proc.pid)
+        if tree_path is not None:
+            write_tree_record(Path(tree_path), proc.pid, token)
         for raw in proc.stdout:
             line = raw.rstrip("\n")
             outcome.lines += 1
@@ -326,8 +371,8 @@ def run_process_group(
         if budget.suppressed:
             logger.info("(%d lines not shown here: see %s)", budget.suppressed, log_path or "stdout")
     except BaseException:
-        logger.warning("stopping process group %d (SIGTERM, SIGKILL after %.0f s)", proc.pid, kill_grace_s)
-        kill_process_group(proc.pid, grace_s=kill_grace_s, leader=proc)
+        logger.warning("stopping the process tree of %d (SIGTERM, SIGKILL after %.0f s)", proc.pid, kill_grace_s)
+        stop_process_tree(token, grace_s=kill_grace_s, leader=proc)
         raise
     finally:
         if log_file:
@@ -335,10 +380,9 @@ def run_process_group(
         proc.stdout.close()
 
     # The leader exited; a rank that detached from it must not outlive the run either.
-    if group_members(proc.pid):
-        kill_process_group(proc.pid, grace_s=kill_grace_s)
-    if pgid_path is not None:
-        Path(pgid_path).unlink(missing_ok=True)
+    stop_process_tree(token, grace_s=kill_grace_s)
+    if tree_path is not None:
+        Path(tree_path).unlink(missing_ok=True)
     if progress and outcome.total_steps:
         progress.update(outcome.last_step, outcome.total_steps, force=True)
     if table:

@@ -12,8 +12,8 @@ trainer resumes from the latest one; a new flow run starts a new directory. The 
 2. on a retry, compares the plan recorded in the latest checkpoint with this plan and fails, naming
    each difference, before launching anything (the trainer checks the full contract again);
 3. runs ``python -m torch.distributed.run ... -m specforge_core.train --config --plan`` through
-   ``tasks.torchrun`` (own session, streamed logs, progress + metrics artifacts, process group
-   killed on cancel or crash);
+   ``tasks.torchrun`` (own session, streamed logs, progress + metrics artifacts, every process of
+   the tree stopped on cancel or crash);
 4. returns the newest checkpoint; cached per (flow run, plan) so a retry after a later stage failed
    shows train as Cached instead of launching torchrun for nothing.
 
@@ -37,9 +37,9 @@ from specforge_core.config import RunConfig
 from specforge_core.errors import ResumeError
 from specforge_core.runtime.checkpoint import latest_checkpoint, read_train_state
 from tasks.caching import StageOutput, content_key
-from tasks.torchrun import run_process_group
+from tasks.torchrun import kill_recorded_tree, run_process_group
 
-PGID_FILE = "train.pgid"
+TREE_FILE = "train.tree"
 LAUNCH_PREFIX_ENV = "SPECFORGE_LAUNCH_PREFIX"
 
 
@@ -108,6 +108,12 @@ def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput, 
     config_path.touch(mode=0o600)
     config_path.write_text(yaml.safe_dump(_trainer_config(config, run, vocab_map), sort_keys=False))
 
+    # A flow-run process killed by SIGKILL (OOM) leaves its torchrun tree running: the worker
+    # reports the run Crashed, but nothing stopped the ranks, which still hold the run directory.
+    stale = kill_recorded_tree(run / TREE_FILE)
+    if stale:
+        logger.warning("stopped %d training processes left running by an earlier attempt of this run", stale)
+
     resumed_from = None
     ckpt = latest_checkpoint(run)
     if ckpt is not None:
@@ -122,7 +128,7 @@ def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput, 
         torchrun_command(config, config_path, Path(plan_path), rdzv_id=key[:32]),
         env=env,
         log_path=run / "train.log",
-        pgid_path=run / PGID_FILE,
+        tree_path=run / TREE_FILE,
         metrics_path=run / "metrics.jsonl",
     )
     final = latest_checkpoint(run)

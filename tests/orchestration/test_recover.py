@@ -68,5 +68,5 @@ def test_recover_leaves_a_finished_run_alone(prefect_api, tmp_path, capsys):
     launcher_flow(str(tmp_path), steps=1)
     run = _flow_run(tmp_path)
     assert recover([str(run.id)]) == 0
-    assert "nothing to recover" in capsys.readouterr().out
+    assert "not stuck" in capsys.readouterr().out
     assert _flow_run(tmp_path).state.name == "Completed"

@@ -12,7 +12,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, LogFilter
 from prefect.logging.handlers import APILogWorker
 
-from tasks.torchrun import LineBudget, ProcessGroupFailed, kill_process_group, kill_recorded_group
+from tasks.torchrun import TREE_TOKEN_ENV, LineBudget, ProcessGroupFailed, kill_recorded_tree, stop_process_tree
 from tests.orchestration.conftest import alive, read_pids, wait_for
 from tests.orchestration.fixtures.launcher_flow import FAKE_LAUNCHER, launcher_flow
 
@@ -113,14 +113,14 @@ def test_sigterm_of_the_flow_run_process_leaves_no_rank_alive(prefect_api, tmp_p
     assert _flow_run_state(tmp_path).is_crashed()
 
 
-def test_sigkilled_flow_leaves_ranks_that_the_recorded_group_kill_removes(prefect_api, tmp_path):
+def test_sigkilled_flow_leaves_ranks_that_the_recorded_tree_kill_removes(prefect_api, tmp_path):
     proc = _start_flow_process(prefect_api, tmp_path)
     pids = wait_for(lambda: read_pids(tmp_path / "pids.json"), 60, "the launcher and its 2 ranks")
     os.kill(proc.pid, signal.SIGKILL)  # no except clause runs: the ranks are orphaned
     proc.wait(10)
     ranks = pids[1:]  # (the launcher itself may die of the broken pipe to its dead reader)
     assert all(alive(p) for p in ranks)
-    assert kill_recorded_group(tmp_path / "launcher.pgid", grace_s=5) >= len(ranks)
+    assert kill_recorded_tree(tmp_path / "launcher.tree", grace_s=5) >= len(ranks)
     wait_for(lambda: not any(alive(p) for p in pids), 10, "the orphaned ranks to be gone")
 
 
@@ -129,9 +129,10 @@ def test_ranks_that_ignore_sigterm_are_sigkilled_after_the_grace(tmp_path):
     leader = subprocess.Popen(
         [sys.executable, str(FAKE_LAUNCHER), "--steps", "1000", "--step-seconds", "0.1", "--stubborn",
          "--pids", str(pids_file)], start_new_session=True, stdout=subprocess.DEVNULL,
+        env={**os.environ, TREE_TOKEN_ENV: "stubborn-test"},
     )
     pids = wait_for(lambda: read_pids(pids_file), 30, "the launcher and its 2 ranks")
-    kill_process_group(leader.pid, grace_s=1.0, leader=leader)
+    assert stop_process_tree("stubborn-test", grace_s=1.0, leader=leader) == 3
     wait_for(lambda: not any(alive(p) for p in pids), 5, "the stubborn ranks to be gone")
 
 
