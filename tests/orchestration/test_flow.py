@@ -80,43 +80,21 @@ def test_training_keeps_progress_and_metrics_artifacts(first):
     assert rows and "loss" in rows[0]
 
 
-def test_a_second_run_finds_the_data_stages_cached_and_trains_anew(first, profile):
-    flow_run_id, result = _run(profile)
-    states = _task_states(flow_run_id)
-    assert [states[s] for s in STAGES[:3]] == [["Cached"]] * 3
-    assert states["train"] == ["Completed"]
-    assert result["run_dir"] != first[1]["run_dir"]
-
-
-def test_changed_conversations_rebuild_only_the_stages_whose_keys_changed(prefect_api, tmp_path, tiny_target_dir):
-    config = tiny_config(tmp_path, tiny_target_dir)
-    _run(config)
-    data = Path(config["data"]["train_files"][0])
-    rows = data.read_text().splitlines()
-    rows[0] = rows[0].replace('"content": "', '"content": "Changed! ', 1)  # same row count: same plan
-    data.write_text("\n".join(rows) + "\n")
-    flow_run_id, _ = _run(config)
-    states = _task_states(flow_run_id)
-    assert states["prepare_prompt_cache"] == ["Completed"]
-    assert states["build_vocab_map"] == ["Completed"]
-    assert states["record_plan"] == ["Cached"]
-
-
-def test_a_deleted_prompt_cache_is_rebuilt(first, profile):
-    import shutil
-
-    shutil.rmtree(Path(profile["data"]["cache_dir"]) / "prompts")
-    flow_run_id, _ = _run(profile)
-    assert _task_states(flow_run_id)["prepare_prompt_cache"] == ["Cached", "Completed"]
-
-
-def test_scheduled_retraining_promotes_only_a_better_draft(prefect_api, tmp_path, tiny_target_dir):
+def test_later_runs_reuse_the_data_stages_and_promote_only_a_better_draft(first, profile, tmp_path):
+    """Scheduled retraining of the same data: stages Cached, a new run directory, warm start from the
+    promoted draft, promotion gated by the margin."""
     promoted = tmp_path / "promoted"
-    config = tiny_config(tmp_path, tiny_target_dir, draft={"init_from": str(promoted)},
-                         validation={"promoted_dir": str(promoted), "promote_margin": 100.0})
+    config = json.loads(json.dumps(profile))
+    config["draft"]["init_from"] = str(promoted)
+    config["validation"].update(promoted_dir=str(promoted), promote_margin=100.0)
+
     first_id, first_result = _run(config)
+    states = _task_states(first_id)
+    assert [states[s] for s in STAGES[:3]] == [["Cached"]] * 3
+    assert first_result["run_dir"] != first[1]["run_dir"]
     assert first_result["promotion"]["promote"]  # nothing promoted yet: cold start, promoted
     assert (promoted / "promotion.json").is_file()
+
     second_id, second_result = _run(config)
     assert not second_result["promotion"]["promote"]  # warm start, but not 100 tokens better
     assert "kept the promoted draft" in _artifact("promotion-decision", second_id).data
