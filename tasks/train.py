@@ -8,7 +8,8 @@ the flow run (``prefect flow-run retry``) keeps its id, so it finds its own chec
 trainer resumes from the latest one; a new flow run starts a new directory. The task:
 
 1. writes ``<run_dir>/config.yaml`` (the run config with ``output.dir`` = the run directory and the
-   vocab map built upstream) and copies plan.json beside it;
+   vocab map built upstream; storage options masked, torchrun reads a private temporary copy
+   when there are any) and copies plan.json beside it;
 2. on a retry, compares the plan recorded in the latest checkpoint with this plan and fails, naming
    each difference, before launching anything (the trainer checks the full contract again);
 3. runs ``python -m torch.distributed.run ... -m specforge_core.train --config --plan`` through
@@ -22,18 +23,21 @@ command, and ``SPECFORGE_LAUNCH_PREFIX`` (e.g. ``srun --nodes=4 --ntasks-per-nod
 per node; docs/deploy.md has the Slurm and JobSet recipes.
 """
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 from prefect import task
 from prefect.logging import get_run_logger
 
-from specforge_core.config import RunConfig
+from specforge_core.config import RunConfig, dump_config
 from specforge_core.errors import ResumeError
 from specforge_core.runtime.checkpoint import latest_checkpoint, read_train_state
 from tasks.caching import StageOutput, content_key
@@ -88,11 +92,30 @@ def check_recorded_plan(ckpt: Path, plan_path: Path) -> None:
         )
 
 
-def _trainer_config(config: RunConfig, run_dir: Path, vocab: StageOutput) -> dict:
-    data = config.model_dump(mode="json")
-    data["output"]["dir"] = str(run_dir)
-    data["draft"]["vocab_map_path"] = vocab.path
-    return data
+def trainer_config(config: RunConfig, run_dir: Path, vocab: StageOutput) -> RunConfig:
+    """The run config as the trainer and the evaluator see it: this run's directory, this vocab map."""
+    out = config.model_copy(deep=True)
+    out.output.dir = str(run_dir)
+    out.draft.vocab_map_path = vocab.path
+    return out
+
+
+@contextlib.contextmanager
+def config_file(config: RunConfig, record: Path) -> Iterator[Path]:
+    """Write ``record`` (credentials masked) and yield the file torchrun gets: ``record`` itself, or,
+    with storage options set, a private temporary copy that holds them and is deleted afterwards
+    (a run leaves no credentials in its outputs)."""
+    record.write_text(yaml.safe_dump(dump_config(config), sort_keys=False))
+    if not config.data.storage_options:
+        yield record
+        return
+    fd, private = tempfile.mkstemp(prefix="specforge-train-", suffix=".yaml")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(config.model_dump(mode="json"), f, sort_keys=False)
+        yield Path(private)
+    finally:
+        os.unlink(private)
 
 
 @task(name="train", cache_key_fn=content_key("train", location=lambda p: p["run_dir"]), persist_result=True)
@@ -103,10 +126,6 @@ def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput, 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     plan_path = shutil.copyfile(plan.path, run / "plan.json")
-    config_path = run / "config.yaml"
-    # Holds the real storage options (credentials), so only the owner may read it.
-    config_path.touch(mode=0o600)
-    config_path.write_text(yaml.safe_dump(_trainer_config(config, run, vocab_map), sort_keys=False))
 
     # A flow-run process killed by SIGKILL (OOM) leaves its torchrun tree running: the worker
     # reports the run Crashed, but nothing stopped the ranks, which still hold the run directory.
@@ -124,13 +143,14 @@ def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput, 
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get(
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.deployment.nproc_per_node)))}
-    outcome = run_process_group(
-        torchrun_command(config, config_path, Path(plan_path), rdzv_id=key[:32]),
-        env=env,
-        log_path=run / "train.log",
-        tree_path=run / TREE_FILE,
-        metrics_path=run / "metrics.jsonl",
-    )
+    with config_file(trainer_config(config, run, vocab_map), run / "config.yaml") as config_path:
+        outcome = run_process_group(
+            torchrun_command(config, config_path, Path(plan_path), rdzv_id=key[:32]),
+            env=env,
+            log_path=run / "train.log",
+            tree_path=run / TREE_FILE,
+            metrics_path=run / "metrics.jsonl",
+        )
     final = latest_checkpoint(run)
     if final is None:
         raise RuntimeError(f"training exited 0 but wrote no complete checkpoint under {run / 'checkpoints'}")

@@ -27,7 +27,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from specforge_core.config import RunConfig, load_config
+from specforge_core.config import RunConfig
 from specforge_core.evaluate import evaluate
 from specforge_core.export import export_draft, load_draft_from_files
 from specforge_core.models.draft_config import load_draft_config
@@ -35,6 +35,7 @@ from specforge_core.models.eagle3 import Eagle3DraftModel
 from specforge_core.vocab import load_vocab_map
 from tasks.caching import StageOutput
 from tasks.curves import plot_curves
+from tasks.train import trainer_config
 
 
 def untrained_draft(checkpoint: Path, vocab_map: StageOutput, seed: int, out_dir: Path) -> Path:
@@ -78,8 +79,8 @@ def validate(config: RunConfig, vocab_map: StageOutput, trained: StageOutput, ru
     checkpoint = Path(trained.path)
     draft_dir = export_draft(load_draft_from_files(checkpoint), run / "draft")
     logger.info("exported the draft for SGLang/vLLM to %s", draft_dir)
-    # The trainer's config: output.dir is the run directory, so the evaluator reads its metrics.
-    eval_config = load_config(run / "config.yaml")
+    # The trainer's view: output.dir is the run directory, so the evaluator reads its metrics.
+    eval_config = trainer_config(config, run, vocab_map)
 
     def measure(label: str, path: Path, metrics_dir: Path) -> dict:
         result = evaluate(eval_config, path, report_path=report_dir / f"validation-{label}.md", run_dir=metrics_dir)

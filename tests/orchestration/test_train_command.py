@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from specforge_core.config import RunConfig
-from tasks.train import run_dir_for, torchrun_command
+from tasks.train import config_file, run_dir_for, torchrun_command
 
 
 def _cmd(monkeypatch, prefix: str = "", **deployment) -> list[str]:
@@ -45,3 +45,17 @@ def test_the_launch_prefix_starts_the_command_once_per_node(monkeypatch):
                rdzv_endpoint="node0:29500")
     assert cmd[:3] == ["srun", "--nodes=4", "--ntasks-per-node=1"]
     assert cmd[3:6] == [sys.executable, "-m", "torch.distributed.run"]
+
+
+def test_the_recorded_config_masks_storage_options_and_the_private_copy_is_removed(tmp_path):
+    cfg = RunConfig.model_validate({"data": {"storage_options": {"token": "s3cr3t"}}})
+    with config_file(cfg, tmp_path / "config.yaml") as path:
+        assert path != tmp_path / "config.yaml" and "s3cr3t" in path.read_text()
+        assert path.stat().st_mode & 0o077 == 0
+    assert not path.exists()
+    assert "s3cr3t" not in (tmp_path / "config.yaml").read_text()
+
+
+def test_without_storage_options_torchrun_reads_the_recorded_config(tmp_path):
+    with config_file(RunConfig(), tmp_path / "config.yaml") as path:
+        assert path == tmp_path / "config.yaml"
