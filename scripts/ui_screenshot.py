@@ -5,8 +5,8 @@
 
 Starts a private Prefect server and process worker (deployments/local_stack.py, temporary home,
 telemetry off), deploys deployments/prefect.yaml, runs colocated-train/default on the tiny profile,
-and photographs the flow-run page (V1 UI: run graph, task states, logs) and its Artifacts tab, then
-stops everything. Needs Debian's `chromium` (`apt-get install -y chromium`).
+and photographs the flow-run page (run graph, task states, logs), two stage artifacts and the
+deployment's run form (the run config rendered as a form), then stops everything. Needs Debian's `chromium` (`apt-get install -y chromium`).
 """
 
 import argparse
@@ -22,10 +22,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deployments.local_stack import PROJECT_DIR, LocalPrefect  # noqa: E402
 
-SHOTS = {
-    "flow-run.png": "/runs/flow-run/{id}",
-    "flow-run-artifacts.png": "/runs/flow-run/{id}?tab=Artifacts",
-}
+def pages(api_url: str, flow_run_id: str) -> dict[str, tuple[str, str, int]]:
+    """PNG name → (UI path, window size, ms of virtual time) for the run's page, two of its artifacts
+    (V1 UI) and the deployment's run form (V2 UI: V1's form page was caught mid-fade)."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter
+
+    with SyncPrefectClient(api_url) as client:
+        run = client.read_flow_run(flow_run_id)
+        artifacts = {
+            a.key: a.id for a in client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(exists_=True)),
+                flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+        }
+    shots = {"flow-run.png": (f"/runs/flow-run/{flow_run_id}", "1600,1000", 20000),
+             "deployment-run-form.png": (f"/v2/deployments/deployment/{run.deployment_id}/run", "1600,1200", 20000)}
+    for key in ("validation-report", "training-metrics"):
+        if key in artifacts:
+            shots[f"artifact-{key}.png"] = (f"/artifacts/artifact/{artifacts[key]}", "1600,1300", 20000)
+    return shots
 
 
 def find_chromium() -> str:
@@ -36,11 +51,12 @@ def find_chromium() -> str:
     sys.exit("error: no Chromium found; install it with `apt-get install -y chromium` (Debian/Ubuntu)")
 
 
-def screenshot(chromium: str, url: str, out: Path, profile_dir: Path, size: str = "1600,1000") -> None:
+def screenshot(chromium: str, url: str, out: Path, profile_dir: Path, size: str = "1600,1000",
+               budget_ms: int = 20000) -> None:
     """One PNG of ``url``; the UI is a single-page app, so give it virtual time to fetch and draw."""
     subprocess.run(
         [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-         f"--user-data-dir={profile_dir}", f"--window-size={size}", "--virtual-time-budget=20000",
+         f"--user-data-dir={profile_dir}", f"--window-size={size}", f"--virtual-time-budget={budget_ms}",
          f"--screenshot={out}", url],
         check=True, capture_output=True, timeout=120,
     )
@@ -74,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         with LocalPrefect(Path(tmp) / "prefect-home") as stack:
             flow_run_id = run_tiny_deployment(stack)
             time.sleep(3)  # logs and artifacts reach the API in 2 s batches
-            for name, path in SHOTS.items():
-                screenshot(chromium, stack.ui_url + path.format(id=flow_run_id), out / name, Path(tmp) / "chromium")
+            shots = pages(stack.api_url, flow_run_id)
+            for name, (path, size, budget_ms) in shots.items():
+                screenshot(chromium, stack.ui_url + path, out / name, Path(tmp) / "chromium", size, budget_ms)
                 print(out / name)
-    print(json.dumps({"flow_run_id": flow_run_id, "shots": sorted(SHOTS)}))
+    print(json.dumps({"flow_run_id": flow_run_id, "shots": sorted(shots)}))
     return 0
 
 
