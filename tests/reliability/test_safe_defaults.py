@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from specforge_core.capture.sglang_args import SGLangEngineArgs
-from specforge_core.config import RunConfig, dump_config
+from specforge_core.config import RunConfig, config_from_dict, dump_config
+from specforge_core.errors import ConfigError
 from specforge_core.prepare import main as prepare_main
 from tests.data.conftest import CHAT
 
@@ -165,3 +166,9 @@ def test_a_saved_config_has_its_storage_options_redacted():
     cfg = RunConfig.model_validate({"data": {"storage_options": {"token": SECRET, "nested": {"key": SECRET}}}})
     saved = dump_config(cfg)
     assert SECRET not in json.dumps(saved) and set(saved["data"]["storage_options"]) == {"token", "nested"}
+
+
+def test_a_rejected_storage_options_value_is_not_echoed():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"data": {"storage_options": f"token={SECRET}"}})
+    assert "data.storage_options: Input should be a valid dictionary" in str(e.value) and SECRET not in str(e.value)
