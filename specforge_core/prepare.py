@@ -14,54 +14,28 @@ import json
 import sys
 
 from specforge_core.config import load_config
-from specforge_core.errors import ModelError, SpecForgeError
+from specforge_core.errors import SpecForgeError
 
 
 def target_vocab_size(cfg, tokenizer) -> int:
     """V: rows of the target's embedding (its config's vocab_size), else the tokenizer's size."""
-    from transformers import AutoConfig
+    from specforge_core.preflight import load_target_config
 
-    if not cfg.model.target:
-        return len(tokenizer)
-    kwargs = {"trust_remote_code": cfg.model.trust_remote_code}
-    if cfg.model.gguf_file:
-        kwargs["gguf_file"] = cfg.model.gguf_file
-    try:
-        tc = AutoConfig.from_pretrained(cfg.model.target, **kwargs).get_text_config()
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot read the target config: {e}", where="model.target",
-                         fix="point model.target at a Hugging Face model directory") from None
-    return int(tc.vocab_size)
-
-
-def check_tokenizer_fits(cfg, tokenizer, V: int) -> None:
-    """Every id the tokenizer can emit must index the target's embedding (rows [0, V))."""
-    n = len(tokenizer)
-    if n > V:
-        raise ModelError(
-            f"the tokenizer has {n} tokens but the target's embedding has {V} rows (config vocab_size): "
-            "tokenizer and target disagree, and ids ≥ V would index past the embedding",
-            where="model.tokenizer" if cfg.model.tokenizer else "model.target",
-            fix="use the target's own tokenizer (remove model.tokenizer, or point it at the target's)",
-        )
+    return int(load_target_config(cfg).vocab_size) if cfg.model.target else len(tokenizer)
 
 
 def prepare(cfg) -> dict:
     """ensure_prompt_cache + ensure_vocab_map for ``cfg``; returns the summary printed by main.
 
-    Everything that can be checked without the data is checked first (tokenizer vs target vocab,
-    draft vocab size, a given draft.vocab_map_path), so a refused run writes nothing.
+    :func:`~specforge_core.preflight.check_data_inputs` runs first (tokenizer vs target vocab, draft
+    vocab size, a given draft.vocab_map_path), so a refused run writes nothing.
     """
     from specforge_core.data.prompt_cache import ensure_prompt_cache
-    from specforge_core.data.tokenize import load_tokenizer
-    from specforge_core.vocab import check_vocab_sizes, ensure_vocab_map, load_vocab_map
+    from specforge_core.preflight import check_data_inputs
+    from specforge_core.vocab import ensure_vocab_map
 
-    tokenizer = load_tokenizer(cfg)
-    V = target_vocab_size(cfg, tokenizer)
-    check_tokenizer_fits(cfg, tokenizer, V)
-    check_vocab_sizes(V, cfg.draft.draft_vocab_size)
-    if cfg.draft.vocab_map_path:
-        load_vocab_map(cfg.draft.vocab_map_path, V, cfg.draft.draft_vocab_size)
+    checked = check_data_inputs(cfg)
+    tokenizer, V = checked.tokenizer, checked.vocab_size
     cache = ensure_prompt_cache(cfg, tokenizer)
     vm = ensure_vocab_map(cfg, cache, V)
     return {

@@ -7,8 +7,9 @@ nothing written.
 One YAML file per case under ``cases/<group>/`` (group: data, config, model). A case says:
 
 ``about``     one line: what is wrong.
-``command``   the CLI that must refuse it: ``prepare`` (python -m specforge_core.prepare) or
-              ``config`` (python -m specforge_core.config).
+``command``   the CLI that must refuse it: ``prepare`` (python -m specforge_core.prepare),
+              ``config`` (python -m specforge_core.config) or ``train`` (python -m
+              specforge_core.train, one rank).
 ``files``     files written into the case directory first; a value is text, or
               ``{text, encoding}`` for bytes in another encoding. ``data.jsonl`` defaults to three
               good conversations.
@@ -18,9 +19,13 @@ One YAML file per case under ``cases/<group>/`` (group: data, config, model). A 
 ``models``    target directories made for the case: ``{name: {config: {...}, remove: [file]}}``
               copies the tiny target, patches its config.json and removes files.
 ``vocab_maps`` vocab map files made for the case: ``{name: [V, Vd]}``.
+``draft_configs`` draft config files made for the case: ``{name: {field: value}}`` patches the
+              draft config generated for the tiny target (Vd = 32).
 ``expect``    ``problem`` and ``fix``: lists of substrings the error message must contain.
 ``process``   true: run as a real ``python -m`` process (the exit code the shell sees), else
               in-process through the module's ``main(argv)``, which is what ``python -m`` returns.
+``xfail``     a known gap, with the reason: the case is expected to fail (strictly: once the gap
+              is closed the case passes, the run reports it, and the line must be removed).
 
 ``${case}``, ``${tiny_target}`` and ``${<model name>}`` in any string are replaced by paths.
 "Nothing written" means: after the refusal the case directory holds no new file except lock
@@ -43,11 +48,12 @@ import yaml
 
 import specforge_core.config
 import specforge_core.prepare
+import specforge_core.train
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 CASES = sorted((HERE / "cases").glob("*/*.yaml"))
-COMMANDS = {"prepare": specforge_core.prepare, "config": specforge_core.config}
+COMMANDS = {"prepare": specforge_core.prepare, "config": specforge_core.config, "train": specforge_core.train}
 GOOD_ROWS = [
     {"conversations": [{"role": "user", "content": "Hello, what is the capital of France?"},
                        {"role": "assistant", "content": "The capital of France is Paris."}]},
@@ -62,7 +68,7 @@ GOOD_ROWS = [
 def load_case(path: Path) -> dict:
     case = yaml.safe_load(path.read_text())
     unknown = set(case) - {"about", "command", "files", "config", "config_text", "args", "argv", "models",
-                           "vocab_maps", "expect", "process"}
+                           "vocab_maps", "draft_configs", "expect", "process", "xfail"}
     assert not unknown, f"{path.name}: unknown case keys {sorted(unknown)}"
     assert case["command"] in COMMANDS and case["expect"]["problem"] and case["expect"]["fix"], path.name
     return case
@@ -111,6 +117,16 @@ def make_vocab_maps(case: dict, root: Path) -> None:
         torch.save({"d2t": d2t, "t2d": t2d}, root / name)
 
 
+def make_draft_configs(case: dict, root: Path, tiny_target: Path) -> None:
+    from transformers import AutoConfig
+
+    from specforge_core.models.draft_config import draft_config_from_target, serving_config_dict
+
+    for name, patch in (case.get("draft_configs") or {}).items():
+        generated = serving_config_dict(draft_config_from_target(AutoConfig.from_pretrained(tiny_target), 32))
+        (root / name).write_text(json.dumps({**generated, **patch}))
+
+
 def write_files(case: dict, root: Path, paths: dict) -> None:
     files = {"data.jsonl": "".join(json.dumps(r) + "\n" for r in GOOD_ROWS), **(case.get("files") or {})}
     for name, spec in files.items():
@@ -136,7 +152,13 @@ def run(case: dict, argv: list[str], root: Path, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("path", CASES, ids=[f"{p.parent.name}/{p.stem}" for p in CASES])
+def case_param(path: Path):
+    reason = yaml.safe_load(path.read_text()).get("xfail")
+    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    return pytest.param(path, marks=marks, id=f"{path.parent.name}/{path.stem}")
+
+
+@pytest.mark.parametrize("path", [case_param(p) for p in CASES])
 def test_bad_input_is_refused_naming_problem_and_fix_and_writes_nothing(path, tmp_path, tiny_target_dir,
                                                                         monkeypatch, capsys):
     case = load_case(path)
@@ -146,6 +168,7 @@ def test_bad_input_is_refused_naming_problem_and_fix_and_writes_nothing(path, tm
     paths = {"case": str(root), "tiny_target": str(tiny_target_dir)}
     paths.update(make_models(case, root, tiny_target_dir))
     make_vocab_maps(case, root)
+    make_draft_configs(case, root, tiny_target_dir)
     write_files(case, root, paths)
     run_yaml = root / "run.yaml"
     if "config_text" in case:
