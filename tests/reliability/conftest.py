@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specforge_core.data.samples import write_chitchat_jsonl
+
 from specforge_core.config import apply_overrides, config_from_dict
 from tests.data.conftest import CHAT, write_jsonl
 
@@ -30,3 +32,11 @@ def chat_file(tmp_path) -> Path:
 def write_config(path: Path, cfg) -> Path:
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     return path
+
+
+@pytest.fixture(scope="module")
+def train_workdir(tmp_path_factory) -> Path:
+    """A directory with 48 real conversations (chat.jsonl) for training runs; runs and cache go here."""
+    root = tmp_path_factory.mktemp("runs")
+    write_chitchat_jsonl(root / "chat.jsonl", 48)
+    return root
