@@ -6,9 +6,9 @@
 
 Sections: ``model`` (the target), ``data``, ``draft``, ``training``, ``capture``,
 ``deployment``, ``output``, ``validation``. Unknown keys and keys given twice are rejected
-everywhere; every error names the dotted field and the fix, and never echoes storage options. Rules that need the target's own config (context length,
-layer count) are checked where the target is loaded
-(``specforge_core.capture.target.validate_colocated``), not here.
+everywhere; every error names the dotted field and the fix, and never echoes storage options.
+Rules that need the target's own config (context length, layer count) are checked where the
+target is loaded (``specforge_core.capture.target.validate_colocated``), not here.
 """
 
 import argparse

@@ -172,3 +172,27 @@ def test_a_rejected_storage_options_value_is_not_echoed():
     with pytest.raises(ConfigError) as e:
         config_from_dict({"data": {"storage_options": f"token={SECRET}"}})
     assert "data.storage_options: Input should be a valid dictionary" in str(e.value) and SECRET not in str(e.value)
+
+
+def test_a_training_run_writes_its_storage_options_nowhere(tmp_path, tiny_target_dir, capsys, caplog):
+    from specforge_core.train import main as train_main
+
+    caplog.set_level("DEBUG")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"target": str(tiny_target_dir), "dtype": "float32"},
+        "data": {"train_files": [str(data)], "cache_dir": str(tmp_path / "cache"), "max_length": 64,
+                 "storage_options": {"token": SECRET}},  # the local filesystem accepts and ignores it
+        "draft": {"draft_vocab_size": 32},
+        "training": {"max_steps": 1, "ttt_length": 2},
+        "capture": {"device": "cpu"},
+        "output": {"dir": str(tmp_path / "out")},
+    }))
+    assert train_main(["--config", str(config)]) == 0
+    out = capsys.readouterr()
+    assert "step=1/1" in out.out
+    assert SECRET not in out.out + out.err + caplog.text
+    assert files_containing(tmp_path / "out", SECRET) == [] and files_containing(tmp_path / "cache", SECRET) == []
+    assert any((tmp_path / "out").rglob("train_state.json"))  # the saved config is in there, redacted
