@@ -1,0 +1,150 @@
+"""The target side of speculative decoding: capture, cache truncation, verify/accept, stop rule."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specforge_core.eval.acceptance import AcceptanceStats
+from specforge_core.eval.speculative import decode
+from specforge_core.eval.target import DecodingTarget, default_capture_layer_ids, stop_token_ids
+
+
+class OracleDrafter:
+    """Proposes the next tokens of a known sequence (the target's greedy output): always right."""
+
+    def __init__(self, reference: list[int], filler: int):
+        self.reference, self.filler = reference, filler
+
+    def reset(self):
+        self.rows = 0
+
+    def extend(self, next_tokens, aux):
+        assert aux.shape[0] == len(next_tokens)
+        self.rows += len(next_tokens)
+
+    def propose(self, num_steps):
+        # row p_last = rows-1 holds token rows; its successor is reference[rows + 1]
+        chain = self.reference[self.rows + 1 : self.rows + 1 + num_steps]
+        return chain + [self.filler] * (num_steps - len(chain))
+
+
+class ConstantDrafter(OracleDrafter):
+    """Proposes the same token every time: mostly wrong."""
+
+    def propose(self, num_steps):
+        return [self.filler] * num_steps
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_dir, tiny_tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    target = DecodingTarget(model, default_capture_layer_ids(model.config.num_hidden_layers))
+    prompt = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "what is the capital of France"}], add_generation_prompt=True
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    return model, target, prompt
+
+
+def _greedy(target, prompt, n, stop=frozenset()):
+    return decode(target, prompt, max_new_tokens=n, stop_ids=set(stop)).tokens
+
+
+def test_aux_states_are_the_capture_layer_outputs(tiny):
+    model, target, prompt = tiny
+    target.reset()
+    step = target.forward(prompt)
+    with torch.no_grad():
+        hs = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i + 1][0] for i in target.capture_layer_ids], dim=-1)
+    assert step.aux.shape == (len(prompt), 3 * model.config.hidden_size)
+    torch.testing.assert_close(step.aux, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_forward_continues_the_sequence(tiny):
+    model, target, prompt = tiny
+    target.reset()
+    target.forward(prompt[:5])
+    tail = target.forward(prompt[5:])
+    target.reset()
+    whole = target.forward(prompt)
+    assert tail.greedy == whole.greedy[5:]
+    torch.testing.assert_close(tail.aux, whole.aux[5:], rtol=1e-5, atol=1e-5)
+
+
+def test_truncate_forgets_the_dropped_positions(tiny):
+    model, target, prompt = tiny
+    target.reset()
+    target.forward(prompt)
+    target.forward([7, 8, 9])
+    target.truncate(len(prompt) + 1)
+    after = target.forward([11])
+    target.reset()
+    fresh = target.forward(prompt + [7, 11])
+    assert target.length == len(prompt) + 2
+    assert after.greedy[-1] == fresh.greedy[-1]
+    torch.testing.assert_close(after.aux[-1], fresh.aux[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_plain_greedy_equals_transformers_generate(tiny):
+    model, target, prompt = tiny
+    ours = _greedy(target, prompt, 24)
+    ref = model.generate(
+        torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert ours == ref
+
+
+def test_plain_greedy_counts_one_verify_pass_per_token_after_the_first(tiny):
+    _, target, prompt = tiny
+    gen = decode(target, prompt, max_new_tokens=10, stop_ids=set())
+    assert len(gen.tokens) == 10 and gen.verify_passes == 9 and gen.accepted == [0] * 9
+
+
+@pytest.mark.parametrize("num_steps", [1, 3, 5])
+def test_a_wrong_draft_leaves_the_output_unchanged(tiny, num_steps):
+    _, target, prompt = tiny
+    ref = _greedy(target, prompt, 30)
+    gen = decode(
+        target, prompt, max_new_tokens=30, stop_ids=set(), drafter=ConstantDrafter([], 5), num_steps=num_steps
+    )
+    assert gen.tokens == ref
+
+
+@pytest.mark.parametrize("num_steps", [1, 3, 4])
+def test_a_perfect_draft_gets_every_token_accepted(tiny, num_steps):
+    _, target, prompt = tiny
+    n = 1 + 5 * (num_steps + 1)  # prefill token + exactly 5 full rounds
+    ref = _greedy(target, prompt, n)
+    drafter = OracleDrafter(prompt + ref, filler=5)
+    gen = decode(target, prompt, max_new_tokens=n, stop_ids=set(), drafter=drafter, num_steps=num_steps)
+    assert gen.tokens == ref
+    assert gen.accepted == [num_steps] * 5 and gen.emitted == [num_steps + 1] * 5
+    stats = AcceptanceStats(num_steps)
+    stats.add(gen)
+    assert stats.summary()["acceptance_length"] == num_steps + 1
+
+
+def test_the_last_round_is_cut_at_max_new_tokens(tiny):
+    _, target, prompt = tiny
+    ref = _greedy(target, prompt, 7)
+    gen = decode(target, prompt, max_new_tokens=7, stop_ids=set(), drafter=OracleDrafter(prompt + ref, 5), num_steps=4)
+    assert gen.tokens == ref and gen.emitted == [5, 1]
+
+
+def test_decoding_stops_at_an_end_of_turn_token_inside_a_round(tiny):
+    _, target, prompt = tiny
+    ref = _greedy(target, prompt, 20)
+    # the first token unlike the prefill's: with num_steps=4 it is accepted inside round 1 + i // 5
+    i = next(i for i, t in enumerate(ref) if t != ref[0])
+    assert i % 5 != 0, "the chosen stop token should not end its round"
+    gen = decode(
+        target, prompt, max_new_tokens=20, stop_ids={ref[i]}, drafter=OracleDrafter(prompt + ref, 5), num_steps=4
+    )
+    assert gen.tokens == ref[: i + 1] and gen.stopped
+    assert gen.verify_passes == 1 + (i - 1) // 5
+
+
+def test_stop_tokens_include_the_tokenizers_end_of_turn(tiny, tiny_tokenizer):
+    model, _, _ = tiny
+    assert tiny_tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(model, tiny_tokenizer)
