@@ -148,3 +148,19 @@ def test_decoding_stops_at_an_end_of_turn_token_inside_a_round(tiny):
 def test_stop_tokens_include_the_tokenizers_end_of_turn(tiny, tiny_tokenizer):
     model, _, _ = tiny
     assert tiny_tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(model, tiny_tokenizer)
+
+
+@pytest.mark.slow
+def test_plain_greedy_equals_transformers_generate_on_smollm2(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    target = DecodingTarget(model, default_capture_layer_ids(model.config.num_hidden_layers))
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    gen = decode(target, prompt, max_new_tokens=32, stop_ids=stop_token_ids(model, tok))
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    assert gen.tokens == ref and gen.stopped
+    assert tok.decode(gen.tokens, skip_special_tokens=True).strip() == "The capital of France is Paris."
