@@ -84,7 +84,7 @@ def decode(
     if not prompt:
         raise ValueError("cannot decode an empty prompt")
     target.reset()
-    first = target.forward(prompt)
+    first = target.forward(prompt, last_only=True)
     gen = Generation(tokens=[first.greedy[-1]], num_steps=num_steps)
     if first.greedy[-1] in stop_ids or max_new_tokens <= 1:
         gen.stopped = first.greedy[-1] in stop_ids

@@ -94,14 +94,18 @@ class DecodingTarget:
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int]) -> TargetStep:
-        """Append ``tokens`` to the sequence; greedy choice after each, and their aux states."""
+    def forward(self, tokens: list[int], *, last_only: bool = False) -> TargetStep:
+        """Append ``tokens`` to the sequence; greedy choice after each (or only the last), aux states.
+
+        ``last_only`` skips the full-vocabulary logits of all but the last token (prefill).
+        """
         m = len(tokens)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         positions = torch.arange(self.length, self.length + m, device=self.device)
         self._captured.clear()
         out = self.model(
-            input_ids=ids, position_ids=positions[None], use_cache=True, **{self._cache_arg: self.cache}
+            input_ids=ids, position_ids=positions[None], use_cache=True,
+            logits_to_keep=1 if last_only else 0, **{self._cache_arg: self.cache}
         )
         self.length += m
         greedy = out.logits[0].argmax(-1).tolist()
