@@ -49,6 +49,7 @@ def simulated_acceptance(metrics: dict | None, num_steps: int) -> dict | None:
         "acc": accs,
         "acceptance_length": chain_acceptance_length(accs, num_steps),
         "acceptance_length_all_steps": chain_acceptance_length(accs, len(accs)),
+        "trainer_reported": metrics.get("simulated_acceptance_length"),
     }
 
 
@@ -91,7 +92,9 @@ def render_report(measured: dict, simulated: dict | None, meta: dict) -> str:
         "",
         "Simulated = 1 + Σ_{i<k} Π_{j≤i} acc_j from the last line of the run's metrics.jsonl"
         + (f" (step {simulated['step']}; all {len(sim_acc)} trained steps: "
-           f"{_fmt(simulated['acceptance_length_all_steps'])})" if simulated else " (no training metrics: n/a)")
+           f"{_fmt(simulated['acceptance_length_all_steps'])}; the trainer's own "
+           f"simulated_acceptance_length: {_fmt(simulated['trainer_reported'])})"
+           if simulated else " (no training metrics: n/a)")
         + ". Training accuracies are unconditional and measured on training data; the measured "
         "per-position rates are conditional on the earlier draft tokens being accepted.",
         "",
