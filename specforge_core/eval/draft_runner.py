@@ -86,20 +86,40 @@ class DraftRunner:
         self.rows += m
         self.last_hidden = h[-1:]
 
+    def _step(self, token: int, hidden: torch.Tensor, j: int, keys: torch.Tensor, values: torch.Tensor):
+        """Draft step j of a round: previous token + previous pre-norm output, RoPE p_last + j."""
+        ids = torch.tensor([token], dtype=torch.long, device=self.device)
+        emb = self.draft.embed_tokens(ids).to(self.dtype)
+        positions = torch.tensor([self.rows - 1 + j], device=self.device)
+        hidden, k, v = self.layer(emb, hidden, positions, keys, values)
+        return hidden, torch.cat([keys, k], 1), torch.cat([values, v], 1)
+
+    def _check_started(self) -> None:
+        if self.last_hidden is None:
+            raise RuntimeError("extend() the draft over the prompt before drafting")
+
     @torch.inference_mode()
     def propose(self, num_steps: int) -> list[int]:
         """A chain of ``num_steps`` target ids following the last step-0 row's token."""
-        if self.last_hidden is None:
-            raise RuntimeError("extend() the draft over the prompt before proposing")
-        hidden = self.last_hidden
+        self._check_started()
+        hidden, keys, values = self.last_hidden, self.keys, self.values
         chain = [self._to_target_id(hidden)]
-        keys, values = self.keys, self.values
-        p_last = self.rows - 1
         for j in range(1, num_steps):
-            ids = torch.tensor([chain[-1]], dtype=torch.long, device=self.device)
-            emb = self.draft.embed_tokens(ids).to(self.dtype)
-            positions = torch.tensor([p_last + j], device=self.device)
-            hidden, k, v = self.layer(emb, hidden, positions, keys, values)
-            keys, values = torch.cat([keys, k], 1), torch.cat([values, v], 1)
+            hidden, keys, values = self._step(chain[-1], hidden, j, keys, values)
             chain.append(self._to_target_id(hidden))
         return chain
+
+    @torch.inference_mode()
+    def round_hidden_states(self, tokens: list[int]) -> list[torch.Tensor]:
+        """Pre-norm outputs [1, H] of steps 0..len(tokens) of a round fed ``tokens`` as d1, d2, ...
+
+        Step 0 is the last step-0 row. ``propose`` is this with each token its predecessor's
+        argmax; given the tokens instead, the steps can be compared with the training unroll.
+        """
+        self._check_started()
+        hidden, keys, values = self.last_hidden, self.keys, self.values
+        out = [hidden]
+        for j, token in enumerate(tokens, start=1):
+            hidden, keys, values = self._step(token, hidden, j, keys, values)
+            out.append(hidden)
+        return out
