@@ -7,7 +7,8 @@
 Sections: ``model`` (the target), ``data``, ``draft``, ``training``, ``capture``,
 ``deployment``, ``output``, ``validation``. Unknown keys are rejected everywhere; every error
 names the dotted field and the fix. Rules that need the target's own config (context length,
-layer count) are checked where the target is loaded, not here.
+layer count) are checked where the target is loaded
+(``specforge_core.capture.target.validate_colocated``), not here.
 """
 
 import argparse
@@ -137,6 +138,15 @@ class TrainingConfig(_Section):
     )
 
 
+# ServerArgs fields that capture/sglang_args.py resolves itself; `capture.sglang.extra` may not set them.
+SGLANG_RESOLVED_FIELDS = (
+    "model_path", "dtype", "trust_remote_code", "skip_tokenizer_init", "tp_size", "pp_size", "dp_size",
+    "ep_size", "mem_fraction_static", "attention_backend", "context_length", "max_running_requests",
+    "max_total_tokens", "chunked_prefill_size", "disable_cuda_graph", "disable_radix_cache",
+    "enable_return_hidden_states", "random_seed",
+)
+
+
 class SGLangConfig(_Section):
     """Arguments of the in-process SGLang engine (GPU nodes only)."""
 
@@ -151,12 +161,46 @@ class SGLangConfig(_Section):
     disable_radix_cache: bool = True
     extra: dict[str, Any] = Field(default_factory=dict, description="Further ServerArgs fields, verbatim.")
 
+    @field_validator("extra")
+    @classmethod
+    def _extra_does_not_override(cls, v: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(v) & set(SGLANG_RESOLVED_FIELDS))
+        if owned:
+            raise ValueError(
+                f"sets {', '.join(owned)}, which the run resolves itself; set them through their own "
+                "fields (capture.sglang.*, training.tp_size, data.max_length, model.*) instead"
+            )
+        return v
+
 
 class CaptureConfig(_Section):
     backend: Literal["hf", "sglang"] = "hf"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     teacher_chunk_size: int = Field(32768, gt=0, description="Vocab chunk for the streamed teacher.")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+
+    @model_validator(mode="after")
+    def _sglang_engine_shape(self) -> "CaptureConfig":
+        """One SGLang engine per target island: GPU only, no engine-level data parallelism."""
+        if self.backend != "sglang":
+            return self
+        if self.device == "cpu":
+            raise ValueError(
+                "capture.device=cpu: the sglang backend runs on GPUs only; "
+                "set capture.device to auto or cuda, or use capture.backend=hf"
+            )
+        if self.sglang.dp_size != 1:
+            raise ValueError(
+                f"capture.sglang.dp_size={self.sglang.dp_size}: in local_colocated each target island is "
+                "one SGLang TP group and islands are the data parallelism; set capture.sglang.dp_size=1 "
+                "and add ranks (deployment.nproc_per_node) for more islands"
+            )
+        if self.sglang.enable_dp_attention:
+            raise ValueError(
+                "capture.sglang.enable_dp_attention=true needs SGLang data parallelism, which "
+                "local_colocated does not use; set capture.sglang.enable_dp_attention=false"
+            )
+        return self
 
 
 class DeploymentConfig(_Section):
@@ -214,7 +258,36 @@ class RunConfig(_Section):
                 f"(deployment.nproc_per_node × nnodes = {d.world_size}); "
                 "change training.tp_size or deployment.nproc_per_node"
             )
+        if self.capture.backend == "sglang":
+            self._check_sglang_capacity()
         return self
+
+    def _check_sglang_capacity(self) -> None:
+        """The engine must hold one TP-wide batch: tp_size × batch_size rows of max_length tokens."""
+        t, s, max_len = self.training, self.capture.sglang, self.data.max_length
+        rows = t.tp_size * t.batch_size
+        if t.tp_size % s.ep_size:
+            raise ValueError(
+                f"capture.sglang.ep_size={s.ep_size} must divide training.tp_size={t.tp_size} "
+                "(experts are sharded inside the island's TP group); set capture.sglang.ep_size to a "
+                "divisor of training.tp_size"
+            )
+        if s.max_running_requests is not None and s.max_running_requests < rows:
+            raise ValueError(
+                f"capture.sglang.max_running_requests={s.max_running_requests} is below one TP-wide batch "
+                f"(training.tp_size × training.batch_size = {rows}); raise it to ≥ {rows} or remove it"
+            )
+        if s.max_total_tokens is not None and s.max_total_tokens < rows * max_len:
+            raise ValueError(
+                f"capture.sglang.max_total_tokens={s.max_total_tokens} cannot hold one TP-wide batch "
+                f"({rows} rows × data.max_length {max_len} = {rows * max_len} tokens); "
+                f"raise it to ≥ {rows * max_len} or remove it"
+            )
+        if s.context_length is not None and s.context_length < max_len:
+            raise ValueError(
+                f"capture.sglang.context_length={s.context_length} is shorter than data.max_length={max_len}; "
+                f"raise it to ≥ {max_len} or remove it (default: data.max_length)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,142 @@
+"""What every capture backend takes and returns: one TP-wide request in, this rank's batch out.
+
+A :class:`TargetRequest` is one island's TP-wide batch (``tp_size × batch_size`` token rows) plus
+the row range this rank keeps. A backend runs the target over the whole request — every TP peer
+takes part in the same forward — and returns a :class:`CapturedBatch` holding **only** this rank's
+rows, in freshly allocated tensors: nothing it returns is a view of the TP-wide capture, so that
+allocation is freed as soon as the backend returns.
+
+The captured batch, on the backend's device (``B`` local rows right-padded to ``T``, the longest
+local row):
+
+| field | shape, dtype | meaning |
+|---|---|---|
+| ``input_ids`` | ``[B,T]`` long | token ids (pad = 0) |
+| ``attention_mask`` | ``[B,T]`` long | 1 = real token |
+| ``loss_mask`` | ``[B,T]`` long | 1 = supervised (assistant) token |
+| ``aux_hidden`` | ``[B,T,3·Ht]`` target dtype | capture layers' outputs, concatenated low→high |
+| ``last_hidden`` | ``[B,T,Ht]`` target dtype | post-final-norm target hidden (the teacher's input) |
+| ``position_ids``, ``seq_ids`` | ``[B,T]`` long or None | set only for packed rows (not produced yet) |
+
+Hidden states at padded positions are zero. Tensors are ordinary (not inference-mode) tensors,
+so the draft's autograd can save them.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class TargetRequest:
+    """One island's TP-wide target batch, and the rows of it this rank keeps."""
+
+    input_ids: tuple[tuple[int, ...], ...]
+    loss_mask: tuple[tuple[int, ...], ...]
+    local: slice
+    task_ids: tuple[str, ...] = ()
+
+    @classmethod
+    def from_rows(
+        cls, input_ids: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]], local: slice,
+        task_ids: Sequence[str] = (),
+    ) -> "TargetRequest":
+        return cls(tuple(tuple(r) for r in input_ids), tuple(tuple(r) for r in loss_mask), local, tuple(task_ids))
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens in the whole TP-wide batch (what the target computes)."""
+        return sum(len(r) for r in self.input_ids)
+
+    @property
+    def local_lengths(self) -> list[int]:
+        return [len(r) for r in self.input_ids[self.local]]
+
+
+@dataclass
+class CapturedBatch:
+    """This rank's slice of one captured target batch (see the module docstring for shapes)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    aux_hidden: torch.Tensor
+    last_hidden: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    seq_ids: torch.Tensor | None = None
+    task_ids: tuple[str, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (unpadded) tokens in this batch."""
+        return int(self.attention_mask.sum())
+
+    def feature_bytes(self) -> int:
+        """Bytes held by every tensor of the batch (what staging it costs)."""
+        total = 0
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+        return total
+
+
+@runtime_checkable
+class CaptureBackend(Protocol):
+    """A target model that captures hidden states on demand. Implemented by ``hf`` and ``sglang``.
+
+    Attributes every backend exposes: ``name``, ``layer_ids`` (the three capture ids, output-of-
+    layer convention), ``target_config`` (the HF config), ``hidden_size`` (Ht), ``vocab_size`` (V),
+    ``device``, ``lm_head_weight`` (``[V,Ht]``, frozen; the embedding when tied) and
+    ``embed_weight`` (``[V,Ht]``, the target's input embedding the draft copies).
+    """
+
+    name: str
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    vocab_size: int
+    device: torch.device
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor: ...
+
+    @property
+    def embed_weight(self) -> torch.Tensor: ...
+
+    def capture(self, request: TargetRequest) -> CapturedBatch:
+        """Capture the TP-wide ``request`` and return this rank's rows (``request.local``)."""
+        ...
+
+    def close(self) -> None:
+        """Release the target (hooks, engine, memory)."""
+        ...
+
+
+def pad_right(rows: Sequence[Sequence[int]], device: torch.device, width: int | None = None) -> torch.Tensor:
+    """``[len(rows), width]`` long tensor of the rows right-padded with 0 (width: longest row)."""
+    width = max(len(r) for r in rows) if width is None else width
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return out.to(device)
+
+
+def attention_mask_for(lengths: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+    return (torch.arange(width).unsqueeze(0) < torch.as_tensor(lengths).unsqueeze(1)).long().to(device)
+
+
+def local_inputs(request: TargetRequest, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids``, ``attention_mask``, ``loss_mask`` of this rank's rows, padded to their longest."""
+    rows, masks = request.input_ids[request.local], request.loss_mask[request.local]
+    width = max(len(r) for r in rows)
+    return (
+        pad_right(rows, device, width),
+        attention_mask_for([len(r) for r in rows], width, device),
+        pad_right(masks, device, width),
+    )

@@ -1,0 +1,125 @@
+"""The ``hf`` capture backend: a transformers causal LM in this process, CPU or GPU.
+
+    backend = HFCaptureBackend.from_config(cfg, device=torch.device("cpu"))
+    batch = backend.capture(request)          # CapturedBatch of this rank's rows
+
+How it captures: forward hooks on ``decoder.layers[i]`` for the three capture ids take each
+layer's output (id ``i`` = output of layer ``i`` = HF ``hidden_states[i+1]``); the decoder's own
+output is the post-final-norm hidden (``last_hidden``). Only the decoder runs (``model.model``,
+never the LM head), under ``torch.inference_mode()`` with ``use_cache=False``, so no ``[B,T,V]``
+logits are ever made; the teacher is later computed from ``last_hidden`` and
+:attr:`lm_head_weight` (the input embedding when the target ties them).
+
+Target TP on this backend: transformers has no tensor parallelism that works on CPU/gloo, so with
+``training.tp_size > 1`` every TP peer holds the whole target, runs the same TP-wide forward and
+keeps its own rows. That is correct (the peers agree by construction) but costs ``tp_size`` times
+the target compute; use the ``sglang`` backend for real target TP on GPUs.
+"""
+
+from functools import partial
+
+import torch
+
+from specforge_core.capture.base import CapturedBatch, TargetRequest, attention_mask_for, local_inputs, pad_right
+from specforge_core.capture.target import resolve_capture_layers, resolve_dtype, text_config, validate_colocated
+from specforge_core.errors import ConfigError, ModelError
+
+
+class HFCaptureBackend:
+    """Capture from a loaded transformers ``*ForCausalLM``; see the module docstring."""
+
+    name = "hf"
+
+    def __init__(self, model, layer_ids: tuple[int, int, int]):
+        model.eval().requires_grad_(False)
+        self.model = model
+        self.target_config = model.config
+        text = text_config(model.config)
+        self.hidden_size: int = text.hidden_size
+        self.layer_ids = tuple(layer_ids)
+        self.device: torch.device = next(model.parameters()).device
+        self._decoder = model.get_decoder()
+        layers = getattr(self._decoder, "layers", None)
+        if layers is None:
+            raise ModelError(
+                f"{type(model).__name__}'s decoder has no `layers` list to hook",
+                where="model.target",
+                fix="use a decoder-only causal LM (Llama, Qwen, Mistral, ...) or the sglang backend",
+            )
+        self._grabbed: dict[int, torch.Tensor] = {}
+        self._hooks = [
+            layers[layer].register_forward_hook(partial(self._grab, slot))
+            for slot, layer in enumerate(self.layer_ids)
+        ]
+
+    @classmethod
+    def from_config(cls, cfg, *, device: torch.device, draft_config=None) -> "HFCaptureBackend":
+        """Load ``model.target`` (dtype from ``model.dtype``), check the run against it, hook it."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if not cfg.model.target:
+            raise ConfigError("model.target is empty", where="model.target",
+                              fix="set model.target to a Hugging Face model directory")
+        load = dict(trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.model.gguf_file:
+            load["gguf_file"] = cfg.model.gguf_file
+        target_config = AutoConfig.from_pretrained(cfg.model.target, **load)
+        validate_colocated(cfg, target_config)
+        layer_ids = resolve_capture_layers(cfg, target_config, draft_config)
+        dtype = resolve_dtype(cfg.model.dtype, device)
+        if device.type == "cuda":
+            load["device_map"] = str(device)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=dtype, **load)
+        return cls(model.to(device), layer_ids)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[V, Ht]`` frozen target head (the input embedding itself when tied)."""
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head_weight.shape[0]
+
+    def _grab(self, slot: int, module, args, output) -> None:
+        self._grabbed[slot] = output[0] if isinstance(output, tuple) else output
+
+    def capture(self, request: TargetRequest) -> CapturedBatch:
+        """Run the decoder over the whole TP-wide request; return copies of this rank's rows only."""
+        lengths = [len(r) for r in request.input_ids]
+        width = max(lengths)
+        ids = pad_right(request.input_ids, self.device, width)
+        attn = attention_mask_for(lengths, width, self.device)
+        try:
+            with torch.inference_mode():
+                last = self._decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+                aux = [self._grabbed[slot] for slot in range(len(self.layer_ids))]
+            # Outside inference mode on purpose: these copies are ordinary tensors that the draft's
+            # autograd may save, and they hold only this rank's rows trimmed to its longest row,
+            # so the TP-wide activations are freed when this function returns.
+            rows, local_width = request.local, max(request.local_lengths)
+            aux_local = torch.cat([a[rows, :local_width] for a in aux], dim=-1)
+            last_local = last[rows, :local_width].clone()
+        finally:
+            self._grabbed.clear()
+        input_ids, attention_mask, loss_mask = local_inputs(request, self.device)
+        padding = ~attention_mask.bool().unsqueeze(-1)
+        aux_local.masked_fill_(padding, 0)
+        last_local.masked_fill_(padding, 0)
+        return CapturedBatch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            loss_mask=loss_mask,
+            aux_hidden=aux_local,
+            last_hidden=last_local,
+            task_ids=request.task_ids[rows],
+        )
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()

@@ -1,0 +1,102 @@
+"""One run per output directory: refuse naming the holder, wait, take over stale locks safely."""
+
+import json
+import multiprocessing as mp
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from specforge_core.runtime.run_lock import LOCK_NAME, RunBusyError, RunLock, read_holder
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def plant(out, **holder):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LOCK_NAME).write_text(json.dumps({"run_id": "old", "host": socket.gethostname(), "started": 0.0, **holder}))
+
+
+def test_second_run_is_refused_naming_the_holder(tmp_path):
+    with RunLock(tmp_path, run_id="first"):
+        with pytest.raises(RunBusyError) as e:
+            RunLock(tmp_path, run_id="second").acquire()
+    msg = str(e.value)
+    assert "run first" in msg and socket.gethostname() in msg
+    assert "pid" in msg and "output.dir" in msg
+
+
+def test_lock_is_released_on_exit(tmp_path):
+    with RunLock(tmp_path, run_id="a"):
+        assert (tmp_path / LOCK_NAME).exists()
+    assert not (tmp_path / LOCK_NAME).exists()
+    with RunLock(tmp_path, run_id="b") as lock:
+        assert read_holder(tmp_path / LOCK_NAME) == lock.holder
+
+
+def test_waiting_run_starts_when_the_holder_ends(tmp_path):
+    first = RunLock(tmp_path, run_id="first").acquire()
+    threading.Timer(0.7, first.release).start()
+    t0 = time.monotonic()
+    with RunLock(tmp_path, run_id="second", wait_s=10) as second:
+        assert read_holder(tmp_path / LOCK_NAME).run_id == "second"
+    assert time.monotonic() - t0 >= 0.5
+    assert second.took_over is None
+
+
+def test_waiting_run_gives_up_after_its_deadline(tmp_path):
+    with RunLock(tmp_path, run_id="first"):
+        with pytest.raises(RunBusyError, match="run first"):
+            RunLock(tmp_path, run_id="second", wait_s=0.6).acquire()
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    pid = dead_pid()
+    plant(tmp_path, pid=pid)
+    with RunLock(tmp_path, run_id="new") as lock:
+        assert lock.took_over is not None and lock.took_over.pid == pid
+        assert read_holder(tmp_path / LOCK_NAME).run_id == "new"
+
+
+def test_lock_from_another_host_is_never_judged_stale(tmp_path):
+    plant(tmp_path, host="some-other-node", pid=1)
+    with pytest.raises(RunBusyError) as e:
+        RunLock(tmp_path).acquire()
+    assert "some-other-node" in str(e.value) and f"delete {tmp_path / LOCK_NAME}" in str(e.value)
+
+
+def test_unreadable_lock_file_is_treated_as_stale(tmp_path):
+    (tmp_path / LOCK_NAME).write_text("{not json")
+    with RunLock(tmp_path, run_id="new"):
+        assert read_holder(tmp_path / LOCK_NAME).run_id == "new"
+
+
+def _contend(out, barrier, results):
+    barrier.wait()
+    try:
+        lock = RunLock(out, run_id=f"p{mp.current_process().pid}").acquire()
+        results.put("won")
+        time.sleep(1.0)  # hold it while the others try
+        lock.release()
+    except RunBusyError:
+        results.put("refused")
+
+
+def test_racing_takeovers_of_a_stale_lock_have_one_winner(tmp_path):
+    plant(tmp_path, pid=dead_pid())
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_contend, args=(tmp_path, barrier, results)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    outcomes = sorted(results.get(timeout=5) for _ in procs)
+    assert outcomes == ["refused", "refused", "refused", "won"]
