@@ -7,7 +7,7 @@ states ``[len, 3·Ht]`` (the outputs of the capture layers, concatenated low →
 features the draft is trained on). ``truncate(n)`` drops rejected positions from the cache.
 
 Capture-layer convention (specforge-facts §16.5): layer id i is the output of decoder layer i,
-i.e. Hugging Face ``hidden_states[i + 1]``; default ``[1, N//2 - 1, N - 4]``.
+i.e. Hugging Face ``hidden_states[i + 1]``; ``capture.target.resolve_capture_layers`` picks them.
 """
 
 import inspect
@@ -16,25 +16,8 @@ from pathlib import Path
 
 import torch
 
+from specforge_core.capture.target import resolve_device, resolve_dtype
 from specforge_core.errors import ModelError
-
-
-def default_capture_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE3's default capture layers for an ``num_layers``-layer target."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def resolve_capture_layer_ids(num_layers: int, configured: list[int] | None, *, where: str) -> list[int]:
-    """The configured ids (or the default), checked against the target's depth."""
-    ids = list(configured) if configured is not None else default_capture_layer_ids(num_layers)
-    if len(set(ids)) != 3 or min(ids) < 0 or max(ids) >= num_layers:
-        raise ModelError(
-            f"capture layers {ids} do not fit a target with {num_layers} decoder layers "
-            "(need 3 distinct ids in [0, N))",
-            where=where,
-            fix="set model.capture_layer_ids to 3 distinct layer ids below the layer count",
-        )
-    return ids
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
@@ -130,18 +113,6 @@ class DecodingTarget:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def load_target(cfg):

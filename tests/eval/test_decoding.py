@@ -6,7 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from specforge_core.eval.acceptance import AcceptanceStats
 from specforge_core.eval.speculative import decode
-from specforge_core.eval.target import DecodingTarget, default_capture_layer_ids, stop_token_ids
+from specforge_core.capture.target import default_capture_layers
+from specforge_core.eval.target import DecodingTarget, stop_token_ids
 
 
 class OracleDrafter:
@@ -38,7 +39,7 @@ class ConstantDrafter(OracleDrafter):
 @pytest.fixture(scope="module")
 def tiny(tiny_target_dir, tiny_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
-    target = DecodingTarget(model, default_capture_layer_ids(model.config.num_hidden_layers))
+    target = DecodingTarget(model, default_capture_layers(model.config.num_hidden_layers))
     prompt = tiny_tokenizer.apply_chat_template(
         [{"role": "user", "content": "what is the capital of France"}], add_generation_prompt=True
     )
@@ -156,7 +157,7 @@ def test_plain_greedy_equals_transformers_generate_on_smollm2(smollm2_dir):
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    target = DecodingTarget(model, default_capture_layer_ids(model.config.num_hidden_layers))
+    target = DecodingTarget(model, default_capture_layers(model.config.num_hidden_layers))
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    tokenize=False, add_generation_prompt=True)
     prompt = tok(text, add_special_tokens=False)["input_ids"]

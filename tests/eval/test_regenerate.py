@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 from specforge_core.config import config_from_dict
 from specforge_core.errors import DataError
 from specforge_core.eval.speculative import decode
-from specforge_core.eval.target import DecodingTarget, default_capture_layer_ids
+from specforge_core.capture.target import default_capture_layers
+from specforge_core.eval.target import DecodingTarget
 from specforge_core.regenerate import main, prompt_turns, regenerate
 
 QUESTIONS = ["what is the capital of France", "tell me a story", "hi", "how do I write python code fast",
@@ -49,7 +50,7 @@ def test_batched_left_padded_answers_equal_one_at_a_time_greedy(cfg, tiny_target
     out = tmp_path / "regen.jsonl"
     regenerate(cfg, out, batch_size=6, max_new_tokens=12)
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
-    target = DecodingTarget(model, default_capture_layer_ids(model.config.num_hidden_layers))
+    target = DecodingTarget(model, default_capture_layers(model.config.num_hidden_layers))
     for row in _rows(out):
         turns = row["conversations"][:-1]
         text = tiny_tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
