@@ -21,50 +21,22 @@ from pathlib import Path
 import torch
 
 from specforge_core.config import load_config
+from specforge_core.data.formats import BadRow, Row, detect_format, iter_records, parse_record
+from specforge_core.data.tokenize import ChatRenderer
 from specforge_core.errors import DataError, SpecForgeError
 from specforge_core.eval.target import load_target, stop_token_ids
 
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-          "system": "system", "tool": "tool"}
-
-
-def _read_rows(url: str, storage_options: dict):
-    """(line number, row dict) of a JSONL or JSON-array file at any fsspec URL."""
-    import fsspec
-
-    with fsspec.open(url, "rt", encoding="utf-8", **storage_options) as f:
-        text = f.read()
-    if text.lstrip().startswith("["):
-        yield from enumerate(json.loads(text), start=1)
-        return
-    for n, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"not valid JSON: {e.msg}", where=f"{url}:{n}", fix="fix or remove the line") from None
-
-
-def prompt_turns(row: dict, where: str) -> list[dict] | None:
-    """The conversation's turns before its first assistant turn (None if it has no user turn)."""
-    turns = row.get("conversations", row.get("messages"))
-    if not isinstance(turns, list):
+def prompt_messages(row: Row) -> list[dict] | None:
+    """The row's messages before its first assistant turn (None if they hold no user turn)."""
+    if row.messages is None:
         raise DataError(
-            "row has no `conversations` or `messages` list",
-            where=where,
-            fix='give each row {"conversations": [{"role": "user", "content": "..."}, ...]}',
+            "row is pre-rendered text or pre-tokenized: there is no conversation to answer",
+            where=row.where,
+            fix="regenerate from conversation rows (conversations / messages / ShareGPT)",
         )
-    prompt = []
-    for turn in turns:
-        role = _ROLES.get(turn.get("role", turn.get("from")))
-        content = turn.get("content", turn.get("value"))
-        if role is None or not isinstance(content, str):
-            raise DataError(f"turn {turn!r} has no known role or text content", where=where,
-                            fix="use role/content (or ShareGPT from/value) turns")
-        if role == "assistant":
-            break
-        prompt.append({"role": role, "content": content})
-    return prompt if any(t["role"] == "user" for t in prompt) else None
+    k = next((i for i, m in enumerate(row.messages) if m["role"] == "assistant"), len(row.messages))
+    prompt = row.messages[:k]
+    return prompt if any(m["role"] == "user" for m in prompt) else None
 
 
 def written_ids(out: Path) -> set[str]:
@@ -78,19 +50,30 @@ def written_ids(out: Path) -> set[str]:
     return {str(json.loads(line)["id"]) for line in keep.decode("utf-8").splitlines() if line.strip()}
 
 
-def pending_prompts(files: list[str], storage_options: dict, done: set[str], limit: int | None):
-    """(id, prompt turns) for every source row not yet answered, in file order."""
-    out = []
+def pending_prompts(cfg, files: list[str], done: set[str], vocab_size: int, limit: int | None):
+    """(id, prompt messages, tools) of every source row not yet answered, in file order, and the
+    number of bad rows skipped (``data.on_bad_row: skip``; ``error`` raises the first)."""
+    out, bad = [], 0
     for url in files:
-        name = Path(url).name
-        for n, row in _read_rows(url, storage_options):
-            row_id = str(row.get("id", f"{name}:{n}"))
-            turns = prompt_turns(row, f"{url}:{n}")
-            if turns is not None and row_id not in done:
-                out.append((row_id, turns))
+        fmt = None if cfg.data.format == "auto" else cfg.data.format
+        for where, rec in iter_records(url, cfg.data.storage_options):
+            try:
+                if isinstance(rec, BadRow):
+                    raise rec
+                fmt = fmt or detect_format(rec, where)
+                row = parse_record(rec, fmt, where, vocab_size)
+            except BadRow:
+                if cfg.data.on_bad_row == "error":
+                    raise
+                bad += 1
+                continue
+            row_id = str(rec.get("id", where.replace(url, Path(url).name, 1)))
+            prompt = prompt_messages(row)
+            if prompt is not None and row_id not in done:
+                out.append((row_id, prompt, row.tools))
             if limit is not None and len(out) >= limit:
-                return out
-    return out
+                return out, bad
+    return out, bad
 
 
 @torch.inference_mode()
@@ -121,30 +104,32 @@ def regenerate(cfg, out: Path, *, files: list[str] | None = None, batch_size: in
                         fix="set data.train_files or pass --input FILE")
     out.parent.mkdir(parents=True, exist_ok=True)
     done = written_ids(out)
-    todo = pending_prompts(files, cfg.data.storage_options, done, limit)
     model, tok = load_target(cfg)
-    stops = stop_token_ids(model, tok)
+    renderer = ChatRenderer(tok)
+    stops = stop_token_ids(model, tok, renderer.end_of_turn)
+    todo, bad = pending_prompts(cfg, files, done, len(tok), limit)
     rendered = []
     too_long = 0
-    for row_id, turns in todo:
-        text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+    for row_id, turns, tools in todo:
+        ids = tok(renderer.render(turns, tools, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
         if len(ids) >= cfg.data.max_length:
             too_long += 1
             continue
-        rendered.append((row_id, turns, ids))
-    rendered.sort(key=lambda r: len(r[2]))  # similar lengths per batch: less padding
+        rendered.append((row_id, turns, tools, ids))
+    rendered.sort(key=lambda r: len(r[3]))  # similar lengths per batch: less padding
     torch.manual_seed(seed + len(done))
     written = tokens = stopped = 0
     start = time.perf_counter()
     with open(out, "a", encoding="utf-8") as f:
         for b in range(0, len(rendered), batch_size):
             batch = rendered[b : b + batch_size]
-            answers = answer_batch(model, tok, [r[2] for r in batch], max_new_tokens=max_new_tokens,
+            answers = answer_batch(model, tok, [r[3] for r in batch], max_new_tokens=max_new_tokens,
                                    stop_ids=stops, temperature=temperature, top_p=top_p)
-            for (row_id, turns, _), (ans, hit_stop) in zip(batch, answers):
+            for (row_id, turns, tools, _), (ans, hit_stop) in zip(batch, answers):
                 content = tok.decode(ans, skip_special_tokens=True)
                 row = {"id": row_id, "conversations": turns + [{"role": "assistant", "content": content}]}
+                if tools:
+                    row["tools"] = tools
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 written += 1
                 tokens += len(ans)
@@ -152,6 +137,7 @@ def regenerate(cfg, out: Path, *, files: list[str] | None = None, batch_size: in
             f.flush()
     seconds = time.perf_counter() - start
     return {"out": str(out), "written": written, "already_written": len(done), "skipped_too_long": too_long,
+            "skipped_bad_rows": bad,
             "answer_tokens": tokens, "ended_on_end_of_turn": stopped, "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None}
 

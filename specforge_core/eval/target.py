@@ -117,7 +117,9 @@ class DecodingTarget:
 
 def load_target(cfg):
     """(model, tokenizer) for ``cfg.model`` on ``cfg.capture.device``, frozen, eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from specforge_core.data.tokenize import load_tokenizer
 
     m = cfg.model
     if not m.target or not Path(m.target).exists():
@@ -128,9 +130,7 @@ def load_target(cfg):
         )
     device = resolve_device(cfg.capture.device)
     extra = {"gguf_file": m.gguf_file} if m.gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(m.tokenizer or m.target, trust_remote_code=m.trust_remote_code, **extra)
-    if m.chat_template:
-        tok.chat_template = m.chat_template
+    tok = load_tokenizer(cfg)
     model = AutoModelForCausalLM.from_pretrained(
         m.target, dtype=resolve_dtype(m.dtype, device), trust_remote_code=m.trust_remote_code, **extra
     )
@@ -138,9 +138,12 @@ def load_target(cfg):
     return model, tok
 
 
-def stop_token_ids(model, tokenizer) -> set[int]:
-    """End-of-turn ids: the tokenizer's eos plus every eos id in the generation config."""
+def stop_token_ids(model, tokenizer, end_of_turn: str | None = None) -> set[int]:
+    """End-of-turn ids: the tokenizer's eos, every eos id of the generation config, and the chat
+    template's end-of-turn token (``data.tokenize.ChatRenderer.end_of_turn``) when given."""
     ids: set[int] = set()
+    if end_of_turn is not None:
+        ids.add(tokenizer.convert_tokens_to_ids(end_of_turn))
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         if source is None:
             continue

@@ -11,7 +11,8 @@ from specforge_core.errors import DataError
 from specforge_core.eval.speculative import decode
 from specforge_core.capture.target import default_capture_layers
 from specforge_core.eval.target import DecodingTarget
-from specforge_core.regenerate import main, prompt_turns, regenerate
+from specforge_core.data.formats import parse_record
+from specforge_core.regenerate import main, prompt_messages, regenerate
 
 QUESTIONS = ["what is the capital of France", "tell me a story", "hi", "how do I write python code fast",
              "name three rivers", "why is water good"]
@@ -84,15 +85,23 @@ def test_sampling_with_a_seed_is_reproducible(cfg, tmp_path):
     assert a.read_text() == b.read_text()
 
 
-def test_prompt_turns_stop_before_the_first_assistant_turn():
-    row = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
+def test_the_prompt_is_the_conversation_before_the_first_assistant_turn():
+    rec = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
                              {"from": "gpt", "value": "hello"}, {"from": "human", "value": "more"}]}
-    assert prompt_turns(row, "x:1") == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    row = parse_record(rec, "sharegpt", "x:1", vocab_size=512)
+    assert prompt_messages(row) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
 
-def test_a_row_without_turns_names_its_line():
+def test_a_text_row_has_no_prompt_to_answer_and_names_its_line():
     with pytest.raises(DataError, match="f.jsonl:3"):
-        prompt_turns({"text": "hello"}, "f.jsonl:3")
+        prompt_messages(parse_record({"text": "hello"}, "text", "f.jsonl:3", vocab_size=512))
+
+
+def test_bad_rows_are_skipped_and_counted_when_configured(cfg, source, tmp_path):
+    source.write_text(source.read_text() + "not json\n")
+    result = regenerate(cfg.model_copy(update={"data": cfg.data.model_copy(update={"on_bad_row": "skip"})}),
+                        tmp_path / "regen.jsonl", max_new_tokens=2)
+    assert result["skipped_bad_rows"] == 1 and result["written"] == len(QUESTIONS)
 
 
 def test_cli_prints_one_json_line(tiny_target_dir, source, tmp_path, capsys):
