@@ -17,82 +17,51 @@ Exactly as the draft is trained (specforge-facts §2.3) and served (eagle3-decod
 """
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 
 class DraftRunner:
-    """An ``Eagle3DraftModel`` decoding one sequence (inference only, no grad)."""
+    """An ``Eagle3DraftModel`` decoding one sequence (inference only, no grad).
+
+    Every forward is the draft's own ``step`` (one midlayer pass for new rows at explicit RoPE
+    positions over extra cached key/value rows; default mask: all of them plus causal over the
+    new rows), so decoding runs the very layer that was trained.
+    """
 
     def __init__(self, draft):
         self.draft = draft.eval()
-        cfg = draft.config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scale = self.head_dim**-0.5
         self.dtype = draft.fc.weight.dtype
         self.device = draft.fc.weight.device
         self.reset()
 
     def reset(self) -> None:
-        empty = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
-        self.keys, self.values = empty, empty.clone()  # step-0 rows, post-RoPE keys
+        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None  # step-0 rows, [1, nkv, rows, hd]
         self.rows = 0
-        self.last_hidden: torch.Tensor | None = None  # pre-norm output of the last step-0 row
-
-    def layer(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-              past_keys: torch.Tensor, past_values: torch.Tensor):
-        """The draft's decoder layer on m new rows that see all ``past`` rows and earlier new rows.
-
-        ``emb``, ``hidden``: [m, H]; ``positions``: [m] RoPE positions; past: [nkv, P, hd].
-        Returns (pre-norm output [m, H], new keys [nkv, m, hd], new values [nkv, m, hd]).
-        """
-        mid = self.draft.midlayer
-        attn = mid.self_attn
-        m = emb.shape[0]
-        x = torch.cat([mid.input_layernorm(emb), mid.hidden_norm(hidden)], dim=-1)
-        q = attn.q_proj(x).view(m, self.num_heads, self.head_dim).transpose(0, 1)
-        k = attn.k_proj(x).view(m, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        v = attn.v_proj(x).view(m, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        cos, sin = self.draft.rotary_emb(v, positions[None])
-        q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
-        q, k = q[0], k[0]
-        keys, values = torch.cat([past_keys, k], dim=1), torch.cat([past_values, v], dim=1)
-        group = self.num_heads // self.num_kv_heads
-        keys_h, values_h = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        scores = (q @ keys_h.transpose(1, 2)).float() * self.scale  # [nh, m, P+m]
-        past = past_keys.shape[1]
-        future = torch.ones(m, m, dtype=torch.bool, device=q.device).triu(1)
-        scores[:, :, past:] = scores[:, :, past:].masked_fill(future, float("-inf"))
-        out = (scores.softmax(-1).to(values_h.dtype) @ values_h).transpose(0, 1).reshape(m, -1)
-        h = hidden + attn.o_proj(out)
-        h = h + mid.mlp(mid.post_attention_layernorm(h))
-        return h, k, v
+        self.last_hidden: torch.Tensor | None = None  # pre-norm output of the last step-0 row, [1, 1, H]
 
     def _to_target_id(self, hidden: torch.Tensor) -> int:
-        d = int(self.draft.compute_logits(hidden).argmax(-1))
+        d = int(self.draft.compute_logits(hidden).reshape(-1).argmax())
         return d + int(self.draft.d2t[d])
+
+    def _forward(self, tokens: list[int], hidden: torch.Tensor, first_position: int, cache):
+        """``draft.step`` on new rows; returns their pre-norm outputs and the cache grown by them."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        positions = torch.arange(first_position, first_position + len(tokens), device=self.device)[None]
+        out, (k, v) = self.draft.step(ids, hidden, positions, past_key_values=cache)
+        grown = (k, v) if cache is None else (torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2))
+        return out, grown
 
     @torch.inference_mode()
     def extend(self, next_tokens: list[int], aux: torch.Tensor) -> None:
         """Append step-0 rows for positions rows..rows+m-1: tokens t+1 and the target's aux at t."""
-        m = len(next_tokens)
-        ids = torch.tensor(next_tokens, dtype=torch.long, device=self.device)
-        emb = self.draft.embed_tokens(ids).to(self.dtype)
-        hidden = self.draft.project_hidden(aux.to(self.device, self.dtype))
-        positions = torch.arange(self.rows, self.rows + m, device=self.device)
-        h, k, v = self.layer(emb, hidden, positions, self.keys, self.values)
-        self.keys, self.values = torch.cat([self.keys, k], 1), torch.cat([self.values, v], 1)
-        self.rows += m
-        self.last_hidden = h[-1:]
+        hidden = self.draft.project_hidden(aux[None].to(self.device, self.dtype))
+        out, self.cache = self._forward(next_tokens, hidden, self.rows, self.cache)
+        self.rows += len(next_tokens)
+        self.last_hidden = out[:, -1:]
 
-    def _step(self, token: int, hidden: torch.Tensor, j: int, keys: torch.Tensor, values: torch.Tensor):
-        """Draft step j of a round: previous token + previous pre-norm output, RoPE p_last + j."""
-        ids = torch.tensor([token], dtype=torch.long, device=self.device)
-        emb = self.draft.embed_tokens(ids).to(self.dtype)
-        positions = torch.tensor([self.rows - 1 + j], device=self.device)
-        hidden, k, v = self.layer(emb, hidden, positions, keys, values)
-        return hidden, torch.cat([keys, k], 1), torch.cat([values, v], 1)
+    def _step(self, token: int, hidden: torch.Tensor, j: int, cache):
+        """Draft step j of a round: previous token + previous pre-norm output, RoPE p_last + j;
+        it sees every step-0 row and the round's earlier steps (``cache``)."""
+        return self._forward([token], hidden, self.rows - 1 + j, cache)
 
     def _check_started(self) -> None:
         if self.last_hidden is None:
@@ -102,24 +71,24 @@ class DraftRunner:
     def propose(self, num_steps: int) -> list[int]:
         """A chain of ``num_steps`` target ids following the last step-0 row's token."""
         self._check_started()
-        hidden, keys, values = self.last_hidden, self.keys, self.values
+        hidden, cache = self.last_hidden, self.cache
         chain = [self._to_target_id(hidden)]
         for j in range(1, num_steps):
-            hidden, keys, values = self._step(chain[-1], hidden, j, keys, values)
+            hidden, cache = self._step(chain[-1], hidden, j, cache)
             chain.append(self._to_target_id(hidden))
         return chain
 
     @torch.inference_mode()
     def round_hidden_states(self, tokens: list[int]) -> list[torch.Tensor]:
-        """Pre-norm outputs [1, H] of steps 0..len(tokens) of a round fed ``tokens`` as d1, d2, ...
+        """Pre-norm outputs ``[H]`` of steps 0..len(tokens) of a round fed ``tokens`` as d1, d2, ...
 
         Step 0 is the last step-0 row. ``propose`` is this with each token its predecessor's
         argmax; given the tokens instead, the steps can be compared with the training unroll.
         """
         self._check_started()
-        hidden, keys, values = self.last_hidden, self.keys, self.values
-        out = [hidden]
+        hidden, cache = self.last_hidden, self.cache
+        out = [hidden[0, 0]]
         for j, token in enumerate(tokens, start=1):
-            hidden, keys, values = self._step(token, hidden, j, keys, values)
-            out.append(hidden)
+            hidden, cache = self._step(token, hidden, j, cache)
+            out.append(hidden[0, 0])
         return out

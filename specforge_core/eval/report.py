@@ -12,6 +12,10 @@ import math
 from pathlib import Path
 
 
+# The trainer's own simulated figure, whichever name it is logged under (with the bonus token first).
+_TRAINER_SIMULATED_KEYS = ("simulated_accept_length_with_bonus", "simulated_acceptance_length", "simulated_accept_length")
+
+
 def last_metrics(run_dir: str | Path) -> dict | None:
     """The last JSON line of ``<run_dir>/metrics.jsonl`` (None if there is none)."""
     path = Path(run_dir) / "metrics.jsonl"
@@ -49,7 +53,9 @@ def simulated_acceptance(metrics: dict | None, num_steps: int) -> dict | None:
         "acc": accs,
         "acceptance_length": chain_acceptance_length(accs, num_steps),
         "acceptance_length_all_steps": chain_acceptance_length(accs, len(accs)),
-        "trainer_reported": metrics.get("simulated_acceptance_length"),
+        "trainer_reported": next(
+            ((key, metrics[key]) for key in _TRAINER_SIMULATED_KEYS if metrics.get(key) is not None), None
+        ),
     }
 
 
@@ -83,7 +89,7 @@ def render_report(measured: dict, simulated: dict | None, meta: dict) -> str:
     ]
     for i in range(k):
         sim = sim_acc[i] if i < len(sim_acc) else None
-        cond = "P(d1)" if i == 0 else f"P(d{i + 1} \\| d1..d{i})"
+        cond = "P(d1)" if i == 0 else f"P(d{i + 1} \\| d1)" if i == 1 else f"P(d{i + 1} \\| d1..d{i})"
         lines.append(f"| position {i + 1}: acc_{i} vs {cond} | {_fmt(sim)} "
                      f"| {_fmt(measured['per_position_acceptance'][i])} |")
     lines += [
@@ -92,8 +98,9 @@ def render_report(measured: dict, simulated: dict | None, meta: dict) -> str:
         "",
         "Simulated = 1 + Σ_{i<k} Π_{j≤i} acc_j from the last line of the run's metrics.jsonl"
         + (f" (step {simulated['step']}; all {len(sim_acc)} trained steps: "
-           f"{_fmt(simulated['acceptance_length_all_steps'])}; the trainer's own "
-           f"simulated_acceptance_length: {_fmt(simulated['trainer_reported'])})"
+           f"{_fmt(simulated['acceptance_length_all_steps'])}"
+           + (f"; the trainer's own {simulated['trainer_reported'][0]}: {_fmt(simulated['trainer_reported'][1])}"
+              if simulated["trainer_reported"] else "") + ")"
            if simulated else " (no training metrics: n/a)")
         + ". Training accuracies are unconditional and measured on training data; the measured "
         "per-position rates are conditional on the earlier draft tokens being accepted.",

@@ -37,7 +37,7 @@ def test_report_puts_simulated_and_measured_side_by_side():
     text = render_report(_measured(), sim, {"draft": "d"})
     row = next(line for line in text.splitlines() if line.startswith("| acceptance length"))
     assert f"{sim['acceptance_length']:.3f}" in row and f"{7 / 3:.3f}" in row
-    assert "| position 2: acc_1 vs P(d2 \\| d1..d1) | 0.400 | 0.500 |" in text
+    assert "| position 2: acc_1 vs P(d2 \\| d1) | 0.400 | 0.500 |" in text
 
 
 def test_report_without_training_metrics_shows_na():
