@@ -29,6 +29,16 @@ class OracleDrafter:
         return chain + [self.filler] * (num_steps - len(chain))
 
 
+class PartlyRightDrafter(OracleDrafter):
+    """Right except for every third proposal: rounds accept 0, 1, 2... of their drafts."""
+
+    def propose(self, num_steps):
+        self.calls = getattr(self, "calls", 0) + 1
+        chain = super().propose(num_steps)
+        wrong = self.calls % (num_steps + 1)
+        return [self.filler if i == wrong else t for i, t in enumerate(chain)]
+
+
 class ConstantDrafter(OracleDrafter):
     """Proposes the same token every time: mostly wrong."""
 
@@ -124,6 +134,15 @@ def test_a_perfect_draft_gets_every_token_accepted(tiny, num_steps):
     stats = AcceptanceStats(num_steps)
     stats.add(gen)
     assert stats.summary()["acceptance_length"] == num_steps + 1
+
+
+def test_a_partly_right_draft_leaves_the_output_unchanged(tiny):
+    _, target, prompt = tiny
+    ref = _greedy(target, prompt, 40)
+    drafter = PartlyRightDrafter(prompt + ref, filler=5)
+    gen = decode(target, prompt, max_new_tokens=40, stop_ids=set(), drafter=drafter, num_steps=3)
+    assert gen.tokens == ref
+    assert {0, 1, 2, 3} <= set(gen.accepted)
 
 
 def test_the_last_round_is_cut_at_max_new_tokens(tiny):
