@@ -2,7 +2,7 @@
 
     python -m specforge_core.evaluate --config examples/tiny-cpu.yaml --draft runs/tiny
     python -m specforge_core.evaluate --config C.yaml --draft drafts/exported --num-steps 3 \
-        --max-new-tokens 128 --prompts 32 [--check-lossless] [--report R.md] [--run-dir RUN]
+        --max-new-tokens 128 --prompts 32 [--batch-size 8] [--check-lossless] [--report R.md] [--run-dir RUN]
 
 ``--draft`` is a run directory (its newest checkpoint), a checkpoint step directory, or an
 exported SGLang/vLLM directory. Prompts are the first ``--prompts`` rows of the prompt cache's
@@ -75,7 +75,7 @@ def held_out_prompts(cfg, tokenizer, n: int) -> list[list[int]]:
 
 def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_new_tokens: int | None = None,
              num_prompts: int | None = None, report_path: str | Path | None = None,
-             run_dir: str | Path | None = None, check_lossless: bool = False) -> dict:
+             run_dir: str | Path | None = None, batch_size: int = 8, check_lossless: bool = False) -> dict:
     """Measure the draft at ``draft_path``; write the report; return the measured numbers.
 
     Defaults come from ``cfg.validation`` (num_steps, max_new_tokens, num_prompts); training
@@ -96,7 +96,7 @@ def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_n
     prompts = held_out_prompts(cfg, tok, num_prompts)
     stops = stop_token_ids(model, tok, ChatRenderer(tok).end_of_turn)
     measured = measure_acceptance(model, draft, prompts, stop_ids=stops, capture_layer_ids=capture_ids,
-                                  num_steps=num_steps, max_new_tokens=max_new_tokens,
+                                  num_steps=num_steps, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                   check_lossless=check_lossless)
     simulated = simulated_acceptance(last_metrics(run_dir), num_steps)
     meta = {"draft": str(draft_path), "target": cfg.model.target, "capture layers": capture_ids,
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, help="held-out prompts to decode (default validation.num_prompts)")
     ap.add_argument("--report", help="markdown report path (default <output.dir>/validation.md)")
     ap.add_argument("--run-dir", help="run directory with metrics.jsonl (default output.dir)")
+    ap.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (each as if alone)")
     ap.add_argument("--check-lossless", action="store_true", help="also decode without the draft and compare")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. capture.device=cpu")
     args = ap.parse_args(argv)
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         result = evaluate(cfg, args.draft, num_steps=args.num_steps, max_new_tokens=args.max_new_tokens,
                           num_prompts=args.prompts, report_path=args.report, run_dir=args.run_dir,
-                          check_lossless=args.check_lossless)
+                          batch_size=args.batch_size, check_lossless=args.check_lossless)
     except SpecForgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

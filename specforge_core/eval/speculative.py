@@ -6,8 +6,10 @@ choice after that prefix), and drops the rejected positions from its cache. The 
 extended over the accepted positions with the aux states of that same verify forward. With no
 draft (``num_steps = 0``) the loop is plain greedy decoding, one target forward per token.
 
-The output is the target's own greedy output, token for token, whatever the draft proposes:
-every emitted token is the target's argmax given the tokens before it.
+Several prompts are decoded together, one batch row each, to share the weight reads; every row
+runs its own rounds and leaves the batch when it is done. The output is the target's own greedy
+output, token for token, whatever the draft proposes: every emitted token is the target's
+argmax given the tokens before it.
 """
 
 from dataclasses import dataclass, field
@@ -21,18 +23,22 @@ from specforge_core.eval.target import DecodingTarget
 class Drafter(Protocol):
     """What the decoding loop needs from a draft (``eval.draft_runner.DraftRunner`` is the real one).
 
-    The draft keeps one "step-0" row per target position t: embedding of token t+1 and the
-    target's aux states at t.
+    The draft keeps, per batch row, one "step-0" row per target position t: embedding of token
+    t+1 and the target's aux states at t. Rows are in the target's batch order.
     """
 
     def reset(self) -> None:
-        """Forget the sequence."""
+        """Forget every sequence."""
 
-    def extend(self, next_tokens: list[int], aux: torch.Tensor) -> None:
-        """Append step-0 rows for the next ``len(next_tokens)`` positions (``aux``: [m, 3·Ht])."""
+    def extend(self, rows: list[tuple[list[int], torch.Tensor]]) -> None:
+        """For every batch row ``(next_tokens, aux [m, 3·Ht])``: append step-0 rows for its next
+        ``m`` positions (after ``reset``, this adds the batch rows themselves)."""
 
-    def propose(self, num_steps: int) -> list[int]:
-        """A chain of ``num_steps`` target-vocabulary ids continuing after the last row's token."""
+    def propose(self, num_steps: int) -> list[list[int]]:
+        """Per batch row, a chain of ``num_steps`` target-vocabulary ids after its last token."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Continue with only these batch rows."""
 
 
 @dataclass
@@ -65,48 +71,58 @@ def _take_until_stop(new: list[int], budget: int, stop_ids: set[int]) -> tuple[l
     return out, False
 
 
-def decode(
+def decode_batch(
     target: DecodingTarget,
-    prompt: list[int],
+    prompts: list[list[int]],
     *,
     max_new_tokens: int,
     stop_ids: set[int],
     drafter: Drafter | None = None,
     num_steps: int = 0,
-) -> Generation:
-    """Greedy decode ``prompt`` with the target, speculating ``num_steps`` tokens per round.
+) -> list[Generation]:
+    """Greedy decode every prompt with the target, speculating ``num_steps`` tokens per round.
 
-    Stops after ``max_new_tokens`` tokens or at the first stop token anywhere in a round's
-    accepted tokens (the tokens after it are dropped and no further round runs).
+    A prompt stops after ``max_new_tokens`` tokens or at the first stop token anywhere in a
+    round's accepted tokens (the tokens after it are dropped and it runs no further round).
     """
     if drafter is None:
         num_steps = 0
-    if not prompt:
-        raise ValueError("cannot decode an empty prompt")
-    target.reset()
-    first = target.forward(prompt, last_only=True)
-    gen = Generation(tokens=[first.greedy[-1]], num_steps=num_steps)
-    if first.greedy[-1] in stop_ids or max_new_tokens <= 1:
-        gen.stopped = first.greedy[-1] in stop_ids
-        return gen
+    first = target.start(prompts)
+    gens = [Generation(tokens=[g[-1]], num_steps=num_steps) for g in first.greedy]
+    for gen in gens:
+        gen.stopped = gen.tokens[0] in stop_ids
     if drafter is not None:
         drafter.reset()
-        drafter.extend(prompt[1:] + gen.tokens, first.aux)
+        drafter.extend([(list(p[1:]) + g.tokens, aux) for p, g, aux in zip(prompts, gens, first.aux)])
+    active = list(range(len(prompts)))  # batch row r decodes prompt active[r]
     while True:
-        pending = gen.tokens[-1]
-        drafts = drafter.propose(num_steps) if drafter is not None else []
-        base = target.length
-        step = target.forward([pending] + drafts)
-        a = 0
-        while a < len(drafts) and drafts[a] == step.greedy[a]:
-            a += 1
-        new = drafts[:a] + [step.greedy[a]]
-        target.truncate(base + a + 1)
-        emitted, gen.stopped = _take_until_stop(new, max_new_tokens - len(gen.tokens), stop_ids)
-        gen.tokens += emitted
-        gen.accepted.append(a)
-        gen.emitted.append(len(emitted))
-        if gen.stopped or len(gen.tokens) >= max_new_tokens:
-            return gen
+        keep = [r for r, i in enumerate(active) if not gens[i].stopped and len(gens[i].tokens) < max_new_tokens]
+        if len(keep) < len(active):
+            if not keep:
+                return gens
+            active = [active[r] for r in keep]
+            target.keep_rows(keep)
+            if drafter is not None:
+                drafter.keep_rows(keep)
+        drafts = drafter.propose(num_steps) if drafter is not None else [[] for _ in active]
+        step = target.forward([[gens[i].tokens[-1]] + d for i, d in zip(active, drafts)])
+        extensions = []
+        for r, (i, d) in enumerate(zip(active, drafts)):
+            gen, greedy = gens[i], step.greedy[r]
+            a = 0
+            while a < len(d) and d[a] == greedy[a]:
+                a += 1
+            new = d[:a] + [greedy[a]]
+            target.reject(r, len(d) - a)
+            emitted, gen.stopped = _take_until_stop(new, max_new_tokens - len(gen.tokens), stop_ids)
+            gen.tokens += emitted
+            gen.accepted.append(a)
+            gen.emitted.append(len(emitted))
+            extensions.append((new, step.aux[r][: a + 1]))
         if drafter is not None:
-            drafter.extend(new, step.aux[: a + 1])
+            drafter.extend(extensions)
+
+
+def decode(target: DecodingTarget, prompt: list[int], **kwargs) -> Generation:
+    """``decode_batch`` of one prompt."""
+    return decode_batch(target, [prompt], **kwargs)[0]

@@ -1,10 +1,12 @@
-"""The target at decode time: one sequence, a KV cache, and the draft's aux states on every forward.
+"""The target at decode time: a batch of sequences, a KV cache, and the draft's aux states.
 
-``DecodingTarget`` wraps a Hugging Face causal LM for speculative decoding and plain greedy
-decoding. Each ``forward(tokens)`` appends ``tokens`` to the sequence (positions continue from
-the cache), returns the target's greedy choice after every one of them and the captured aux
-states ``[len, 3·Ht]`` (the outputs of the capture layers, concatenated low → high, exactly the
-features the draft is trained on). ``truncate(n)`` drops rejected positions from the cache.
+``DecodingTarget`` wraps a Hugging Face causal LM for speculative and plain greedy decoding of
+several prompts at once (one row each). ``start(prompts)`` prefills them; each
+``forward(tokens)`` appends tokens to every row (positions continue per row), returns the target's
+greedy choice after every new token and the captured aux states ``[m, 3·Ht]`` per row (the
+outputs of the capture layers, concatenated low → high, exactly the features the draft is
+trained on). ``reject(row, n)`` drops a row's rejected tokens; ``keep_rows`` lets finished rows
+leave the batch. Batching only amortises the weight reads: each row is decoded as if alone.
 
 Capture-layer convention (specforge-facts §16.5): layer id i is the output of decoder layer i,
 i.e. Hugging Face ``hidden_states[i + 1]``; ``capture.target.resolve_capture_layers`` picks them.
@@ -34,18 +36,21 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
 
 @dataclass
 class TargetStep:
-    """What one target forward over m new tokens gives back."""
+    """What one target forward gives back, per batch row."""
 
-    greedy: list[int]  # argmax after each of the m tokens
-    aux: torch.Tensor  # [m, 3·Ht], the capture layers' outputs concatenated low → high
+    greedy: list[list[int]]  # per row: the argmax after each new token (prefill: after the last only)
+    aux: list[torch.Tensor]  # per row: [m, 3·Ht], the capture layers' outputs concatenated low → high
 
 
 class DecodingTarget:
-    """A frozen HF causal LM decoding one sequence with a ``DynamicCache`` and capture hooks.
+    """A frozen HF causal LM decoding a batch of sequences with a ``DynamicCache`` and capture hooks.
 
-    Guarantees: ``length`` is always the number of cached positions; ``forward`` runs the new
-    tokens at positions ``length .. length+m-1`` in one pass; ``truncate`` restores the cache to
-    exactly the state after the kept prefix (later forwards see nothing of the dropped tokens).
+    Rows are independent sequences. The cache is never cropped: every forward appends the same
+    number of columns to every row, and ``reject`` masks a row's rejected columns out of all
+    later attention (they stay in the cache as dead columns). Each row's RoPE positions count only
+    its live tokens, so a row computes exactly what it would alone, up to float rounding.
+    Guarantees: ``lengths[r]`` is row r's number of live tokens; ``forward`` runs the new tokens
+    of row r at positions ``lengths[r] .. lengths[r]+m-1`` in one pass.
     """
 
     def __init__(self, model, capture_layer_ids: list[int]):
@@ -60,7 +65,6 @@ class DecodingTarget:
         # transformers ≥ 5.2x names the cache argument `cache`; earlier versions `past_key_values`.
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self.reset()
 
     def _hook_for(self, layer_id: int):
         def hook(_module, _inputs, output):
@@ -69,45 +73,61 @@ class DecodingTarget:
 
         return hook
 
-    def reset(self) -> None:
-        """Forget the sequence (a fresh, empty cache)."""
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.model.config)
-        self.length = 0
-
-    @torch.inference_mode()
-    def forward(self, tokens: list[int], *, last_only: bool = False) -> TargetStep:
-        """Append ``tokens`` to the sequence; greedy choice after each (or only the last), aux states.
-
-        ``last_only`` skips the full-vocabulary logits of all but the last token (prefill).
-        """
-        m = len(tokens)
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        positions = torch.arange(self.length, self.length + m, device=self.device)
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, *, last_only: bool):
         self._captured.clear()
         out = self.model(
-            input_ids=ids, position_ids=positions[None], use_cache=True,
+            input_ids=ids, attention_mask=self.live, position_ids=positions, use_cache=True,
             logits_to_keep=1 if last_only else 0, **{self._cache_arg: self.cache}
         )
-        self.length += m
-        greedy = out.logits[0].argmax(-1).tolist()
-        aux = torch.cat([self._captured[i][0] for i in self.capture_layer_ids], dim=-1)
+        aux = torch.cat([self._captured[i] for i in self.capture_layer_ids], dim=-1)
         self._captured.clear()
-        return TargetStep(greedy=greedy, aux=aux)
+        return out.logits.argmax(-1).tolist(), aux
 
-    def truncate(self, length: int) -> None:
-        """Keep only the first ``length`` cached positions (drop rejected draft tokens)."""
-        remove = self.length - length
-        if remove < 0:
-            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        if remove:
-            # transformers < 5.2x: crop(max_length); later: crop(-tokens_to_remove).
-            if "max_length" in inspect.signature(self.cache.crop).parameters:
-                self.cache.crop(length)
-            else:
-                self.cache.crop(-remove)
-        self.length = length
+    @torch.inference_mode()
+    def start(self, prompts: list[list[int]]) -> TargetStep:
+        """Forget everything and prefill ``prompts`` (one row each, left-padded into one forward).
+
+        Returns each row's greedy choice after its prompt and the aux states of its prompt tokens.
+        """
+        from transformers import DynamicCache
+
+        if not prompts or not all(prompts):
+            raise ValueError("cannot decode an empty prompt")
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        self.live = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        self.lengths = self.live.sum(-1)
+        self.cache = DynamicCache(config=self.model.config)
+        greedy, aux = self._run(ids, (self.live.cumsum(-1) - 1).clamp(min=0), last_only=True)
+        return TargetStep(greedy=greedy, aux=[aux[r, width - len(p) :] for r, p in enumerate(prompts)])
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[list[int]]) -> TargetStep:
+        """Append ``tokens[r]`` (the same count m for every row) to row r; greedy choice after each
+        new token and their aux states."""
+        m = len(tokens[0])
+        if any(len(t) != m for t in tokens) or len(tokens) != len(self.lengths):
+            raise ValueError(f"need {len(self.lengths)} rows of {m} tokens each")
+        ids = torch.tensor(tokens, device=self.device)
+        positions = self.lengths[:, None] + torch.arange(m, device=self.device)
+        self.live = torch.cat([self.live, self.live.new_ones(len(tokens), m)], dim=1)
+        self.lengths = self.lengths + m
+        greedy, aux = self._run(ids, positions, last_only=False)
+        return TargetStep(greedy=greedy, aux=list(aux))
+
+    @torch.inference_mode()
+    def reject(self, row: int, count: int) -> None:
+        """Drop the last ``count`` tokens of ``row`` (rejected drafts): later forwards never see them."""
+        if count:
+            self.live[row, -count:] = 0
+            self.lengths[row] -= count
+
+    @torch.inference_mode()
+    def keep_rows(self, rows: list[int]) -> None:
+        """Continue with only these rows (finished sequences leave the batch)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.live, self.lengths = self.live[index], self.lengths[index]
 
     def close(self) -> None:
         for h in self._hooks:

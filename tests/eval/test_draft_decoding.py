@@ -8,7 +8,7 @@ from specforge_core.capture.target import default_capture_layers
 from specforge_core.eval.acceptance import AcceptanceStats
 from specforge_core.eval.draft_runner import DraftRunner
 from specforge_core.eval.measure import measure_acceptance
-from specforge_core.eval.speculative import decode
+from specforge_core.eval.speculative import decode, decode_batch
 from specforge_core.eval.target import DecodingTarget
 from specforge_core.models.draft_config import draft_config_from_target
 from specforge_core.models.eagle3 import Eagle3DraftModel
@@ -54,8 +54,7 @@ def test_decode_time_draft_equals_the_training_unroll_at_steps_0_to_2(tiny):
     model, target, prompt = tiny
     draft = _draft(model, draft_vocab_size=200, seed=1)
     ids = prompt + [5, 17, 42, 99, 7, 250, 3, 11]
-    target.reset()
-    aux = target.forward(ids).aux
+    aux = target.start([ids]).aux[0]
     unrolled = []  # the pre-norm hidden of every training step: compute_logits(h) = lm_head(norm(h))
     hook = draft.norm.register_forward_hook(lambda _m, inputs, _o: unrolled.append(inputs[0].detach()))
     t = len(ids)
@@ -66,14 +65,20 @@ def test_decode_time_draft_equals_the_training_unroll_at_steps_0_to_2(tiny):
         ttt_unroll(draft, batch, model.lm_head.weight, ttt_length=3, backend="sdpa")
     hook.remove()
     runner = DraftRunner(draft)
-    for n in (len(prompt), len(prompt) + 3, t - 3):  # step-0 rows 0..n-1, as after a verify round
-        runner.reset()
-        runner.extend(ids[1 : len(prompt) + 1], aux[: len(prompt)])  # prefill rows ...
-        if n > len(prompt):
-            runner.extend(ids[len(prompt) + 1 : n + 1], aux[len(prompt) : n])  # ... then accepted rows
-        steps = runner.round_hidden_states(ids[n + 1 : n + 3])
+    p = len(prompt)
+    runner.extend([(ids[1 : p + 1], aux[:p])])  # step-0 rows 0..p-1: the prefill
+    steps = runner.round_hidden_states([ids[p + 1 : p + 3]])
+    for k in range(3):
+        torch.testing.assert_close(steps[k][0], unrolled[k][0, p - 1], rtol=0, atol=1e-5)
+    # a batch whose rows then accept different numbers of tokens (ragged extension)
+    ends = [p + 1, p + 3, t - 3]
+    runner.reset()
+    runner.extend([(ids[1 : p + 1], aux[:p])] * len(ends))
+    runner.extend([(ids[p + 1 : n + 1], aux[p:n]) for n in ends])
+    steps = runner.round_hidden_states([ids[n + 1 : n + 3] for n in ends])
+    for r, n in enumerate(ends):
         for k in range(3):
-            torch.testing.assert_close(steps[k], unrolled[k][0, n - 1], rtol=0, atol=1e-5)
+            torch.testing.assert_close(steps[k][r], unrolled[k][0, n - 1], rtol=0, atol=1e-5)
 
 
 def test_draft_ids_are_mapped_to_target_ids_with_d2t(tiny):
@@ -81,10 +86,8 @@ def test_draft_ids_are_mapped_to_target_ids_with_d2t(tiny):
     draft = _draft(model, draft_vocab_size=64, hot_start=37)
     torch.nn.init.zeros_(draft.norm.weight)  # all draft logits 0 → argmax is draft id 0 = target id 37
     runner = DraftRunner(draft)
-    target.reset()
-    runner.reset()
-    runner.extend(prompt[1:] + [5], target.forward(prompt).aux)
-    assert runner.propose(4) == [37] * 4
+    runner.extend([(prompt[1:] + [5], target.start([prompt]).aux[0])])
+    assert runner.propose(4) == [[37] * 4]
 
 
 @pytest.mark.parametrize("num_steps", [1, 3])
@@ -117,6 +120,18 @@ def test_a_random_draft_is_lossless(request, tiny_tokenizer, arch_dir, num_steps
         assert spec.tokens == plain.tokens
 
 
+def test_a_batch_with_a_real_draft_decodes_each_prompt_as_if_alone(tiny, tiny_tokenizer):
+    model, target, _ = tiny
+    draft = _draft(model, draft_vocab_size=128, seed=2)
+    prompts = [_prompt(tiny_tokenizer, q) for q in ("what is the capital of France", "hi", "name three rivers")]
+    stops = {460, 502}
+    alone = [decode(target, p, max_new_tokens=24, stop_ids=stops, drafter=DraftRunner(draft), num_steps=3)
+             for p in prompts]
+    together = decode_batch(target, prompts, max_new_tokens=24, stop_ids=stops, drafter=DraftRunner(draft),
+                            num_steps=3)
+    assert [(g.tokens, g.accepted) for g in together] == [(g.tokens, g.accepted) for g in alone]
+
+
 def test_measure_reports_lossless_and_the_counts(tiny, tiny_tokenizer):
     model, _, prompt = tiny
     draft = _draft(model, draft_vocab_size=128)
@@ -129,16 +144,16 @@ def test_measure_reports_lossless_and_the_counts(tiny, tiny_tokenizer):
 
 
 @pytest.mark.slow
-def test_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_dir):
+def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     model, target = _target(smollm2_dir)
     draft = _draft(model, draft_vocab_size=8192)
     stops = {tok.eos_token_id}
-    for text in ("What is the capital of France?", "Write a haiku about rivers."):
-        prompt = tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        plain = decode(target, prompt, max_new_tokens=32, stop_ids=stops)
-        spec = decode(target, prompt, max_new_tokens=32, stop_ids=stops, drafter=DraftRunner(draft), num_steps=3)
-        assert spec.tokens == plain.tokens
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for text in ("What is the capital of France?", "Write a haiku about rivers.", "Hi!")]
+    plain = [decode(target, p, max_new_tokens=32, stop_ids=stops).tokens for p in prompts]
+    spec = decode_batch(target, prompts, max_new_tokens=32, stop_ids=stops, drafter=DraftRunner(draft), num_steps=3)
+    assert [g.tokens for g in spec] == plain
