@@ -13,7 +13,9 @@ from pathlib import Path
 
 
 # The trainer's own simulated figure, whichever name it is logged under (with the bonus token first).
-_TRAINER_SIMULATED_KEYS = ("simulated_accept_length_with_bonus", "simulated_acceptance_length", "simulated_accept_length")
+_TRAINER_SIMULATED_KEYS = (
+    "simulated_accept_length_with_bonus", "simulated_acceptance_length", "simulated_accept_length",
+)
 
 
 def last_metrics(run_dir: str | Path) -> dict | None:
@@ -73,6 +75,8 @@ def render_report(measured: dict, simulated: dict | None, meta: dict) -> str:
     """Markdown: what was measured, how, and the simulated-vs-measured table."""
     k = measured["num_steps"]
     sim_acc = (simulated or {}).get("acc", [])
+    sim_len = (simulated or {}).get("acceptance_length")
+    saved = measured["target_forwards_saved_fraction"]
     lines = [
         "# Draft validation: measured acceptance",
         "",
@@ -84,7 +88,7 @@ def render_report(measured: dict, simulated: dict | None, meta: dict) -> str:
         "",
         "| figure | simulated | measured |",
         "|---|---|---|",
-        f"| acceptance length (k={k}) | {_fmt((simulated or {}).get('acceptance_length'))} "
+        f"| acceptance length (k={k}) | {_fmt(sim_len)} "
         f"| **{_fmt(measured['acceptance_length'])}** |",
     ]
     for i in range(k):
@@ -93,7 +97,7 @@ def render_report(measured: dict, simulated: dict | None, meta: dict) -> str:
         lines.append(f"| position {i + 1}: acc_{i} vs {cond} | {_fmt(sim)} "
                      f"| {_fmt(measured['per_position_acceptance'][i])} |")
     lines += [
-        f"| mean accepted draft tokens per verify | {_fmt(((simulated or {}).get('acceptance_length') or math.nan) - 1)} "
+        f"| mean accepted draft tokens per verify | {_fmt(sim_len - 1 if sim_len is not None else None)} "
         f"| {_fmt(measured['mean_accepted_draft_tokens'])} |",
         "",
         "Simulated = 1 + Σ_{i<k} Π_{j≤i} acc_j from the last line of the run's metrics.jsonl"
@@ -112,7 +116,7 @@ def render_report(measured: dict, simulated: dict | None, meta: dict) -> str:
         f"| target forward passes (prefill + verify) | {measured['target_forwards']} |",
         f"| target forward passes plain greedy would need | {measured['greedy_target_forwards']} |",
         f"| target forward passes saved | {measured['target_forwards_saved']} "
-        f"({_fmt(measured['target_forwards_saved_fraction'] and 100 * measured['target_forwards_saved_fraction'], 1)}%) |",
+        f"({_fmt(100 * saved if saved is not None else None, 1)}%) |",
         f"| tokens per target forward (incl. prefill) | {_fmt(measured['tokens_per_target_forward'])} |",
         f"| prompts ended on end-of-turn | {measured['stopped_on_end_of_turn']} of {measured['prompts']} |",
         f"| wall time (speculative) | {_fmt(measured['seconds'], 1)} s, {_fmt(measured['tokens_per_s'], 1)} tokens/s |",

@@ -176,7 +176,8 @@ def test_a_partly_right_draft_leaves_the_output_unchanged(tiny):
 def test_the_last_round_is_cut_at_max_new_tokens(tiny):
     _, target, prompt = tiny
     ref = _greedy(target, prompt, 7)
-    gen = decode(target, prompt, max_new_tokens=7, stop_ids=set(), drafter=OracleDrafter([prompt + ref], 5), num_steps=4)
+    drafter = OracleDrafter([prompt + ref], 5)
+    gen = decode(target, prompt, max_new_tokens=7, stop_ids=set(), drafter=drafter, num_steps=4)
     assert gen.tokens == ref and gen.emitted == [5, 1]
 
 
