@@ -176,7 +176,7 @@ class DroppingBackend:
     """A backend whose capture loses this rank's last row."""
 
     def __init__(self, inner):
-        self.inner, self.name = inner, "dropping"
+        self.inner, self.name, self.device = inner, "dropping", inner.device
 
     def capture(self, request):
         batch = self.inner.capture(request)

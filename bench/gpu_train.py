@@ -1,0 +1,388 @@
+"""GPU benchmark of the colocated training step on one rank, with its references in the same run.
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/gpu_train.py --shape qwen3-8b --out DIR
+    python bench/gpu_train.py --shape llama3-8b --phases refs,capture      # a subset of phases
+    python bench/gpu_train.py --shape tiny --device cpu --steps 2          # smoke test on a CPU
+
+Needs torch + transformers only (no Prefect, datasets or network); the peer needs the
+``specforge==0.2.0`` wheel installed with ``--no-deps`` (skipped when not importable). The target
+is built from a config with random bf16 weights; sample lengths follow a ShareGPT-like
+log-normal (median 800 tokens, σ 0.9, 64 ≤ ℓ ≤ 4096; the first quarter of each sample is prompt).
+
+Phases (``--phases``, default all):
+
+- ``refs``: bf16 matmul rate, plain target forward tokens/s (dense ``4×4096``, no hooks), FLOP bound;
+- ``capture``: the real capture path (``HFCaptureBackend`` + ``RolloutStream`` over a
+  ``PromptPlan``), unpacked and packed: tokens/s, overhead over a plain forward of the same
+  samples, padding waste; and packed == unpacked per sample on this device;
+- ``draft``: our isolated draft step (objective forward + backward + AdamW) on dense shapes;
+- ``train``: the end-to-end loop (stream → objective → backward → optimizer), steady-state
+  tokens/s and samples/s, capture share, padding, peak memory, peak staged features, seconds from
+  launch to the first optimizer step;
+- ``peer``: SpecForge 0.2.0's draft step on the same dense shapes as ``draft``.
+
+Every figure is printed as one ``key=value`` line and written to ``DIR/results.json``; the last
+line is ``vs_peer=<x>``: our end-to-end tokens/s over the serial combination of plain capture
+and the peer's draft step, ``1 / (1/plain + 1/peer)`` (the best peer shape).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench import gpu_reference as ref  # noqa: E402
+
+LAUNCH = time.perf_counter()
+RESULTS: dict = {}
+
+
+def report(key: str, value) -> None:
+    RESULTS[key] = value
+    shown = f"{value:.4g}" if isinstance(value, float) else value
+    print(f"{key}={shown}", flush=True)
+
+
+def sharegpt_like_rows(n: int, vocab: int, seed: int, max_length: int = 4096) -> list[dict]:
+    """``n`` prompt rows with ShareGPT-like lengths (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(math.log(800) + 0.9 * torch.randn(n, generator=g)).round().clamp(64, max_length).long()
+    rows = []
+    for n_tok in lengths.tolist():
+        prompt = n_tok // 4
+        rows.append({
+            "input_ids": torch.randint(3, vocab, (n_tok,), generator=g).tolist(),
+            "loss_mask": [0] * prompt + [1] * (n_tok - prompt),
+        })
+    return rows
+
+
+def gib(n_bytes: float) -> float:
+    return n_bytes / 2**30
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- phases -----------------------------------------------------------------------------------
+
+
+def phase_refs(args, model) -> None:
+    if args.device.type == "cuda":
+        report("matmul_tflops", ref.matmul_tflops())
+        report("flop_bound_tokens_per_s", ref.flop_bound_tokens_per_s(args.shape, RESULTS["matmul_tflops"]))
+    b, t = args.plain_shape
+    report("plain_forward_shape", f"{b}x{t}")
+    report("plain_forward_tokens_per_s", ref.target_forward_tokens_per_s(model, b, t))
+
+
+def make_stream(args, backend, rows, *, batch_size, token_budget, steps):
+    from specforge_core.plan import PromptPlan
+    from specforge_core.runtime.rollout import RolloutStream
+
+    plan = PromptPlan.build(len(rows), seed=args.seed, epochs=1, world_size=1, tp_size=1, batch_size=batch_size,
+                            accumulation_steps=1, max_steps=steps)
+    return RolloutStream.from_plan(plan, 0, rows, backend, token_budget=token_budget)
+
+
+def plain_varlen_forward_seconds(backend, request) -> float:
+    """A plain flat forward of the request's samples (no hooks' copies, no layout): the floor."""
+    from specforge_core.capture import varlen
+
+    lengths = [len(r) for r in request.input_ids]
+    ids = torch.as_tensor([t for r in request.input_ids for t in r], device=backend.device)[None]
+    pos = torch.cat([torch.arange(n) for n in lengths]).to(backend.device)[None]
+    kwargs = varlen.varlen_kwargs(lengths, backend.device)
+
+    @torch.inference_mode()
+    def run():
+        backend._decoder(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
+        backend._grabbed.clear()
+
+    return ref.timed(run, warmup=1, iters=3) if backend.device.type == "cuda" else _cpu_time(run)
+
+
+def _cpu_time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def phase_capture(args, backend, rows) -> None:
+    from dataclasses import replace
+
+    from specforge_core.capture.base import TargetRequest
+
+    for name, batch_size, budget in (("unpacked", args.unpacked_batch, None),
+                                     ("packed", args.batch_size, args.token_budget)):
+        stream = make_stream(args, backend, rows, batch_size=batch_size, token_budget=budget, steps=args.steps + 2)
+        for _ in range(2):  # warm-up captures are not counted
+            batch = next(stream)
+            del batch
+        start = stream.stats.as_dict()
+        for batch in stream:
+            del batch
+        end = stream.stats.as_dict()
+        tokens = end["island_tokens"] - start["island_tokens"]
+        seconds = end["capture_seconds"] - start["capture_seconds"]
+        slots = end["local_slots"] - start["local_slots"]
+        report(f"capture_{name}_tokens_per_s", tokens / seconds)
+        report(f"capture_{name}_padding", 1 - tokens / slots)
+        report(f"capture_{name}_tokens_per_step", tokens / args.steps)
+
+    # The floor for the packed capture: a plain flat forward of one batch's samples.
+    sample = rows[: args.batch_size]
+    request = TargetRequest.from_rows([r["input_ids"] for r in sample], [r["loss_mask"] for r in sample],
+                                      slice(0, len(sample)))
+    floor = plain_varlen_forward_seconds(backend, request)
+    capture = ref.timed(lambda: backend.capture(replace(request, token_budget=args.token_budget)), warmup=1, iters=3) \
+        if backend.device.type == "cuda" else _cpu_time(lambda: backend.capture(replace(request, token_budget=args.token_budget)))
+    report("plain_varlen_forward_tokens_per_s", request.num_tokens / floor)
+    report("capture_overhead_vs_plain_varlen", capture / floor - 1)
+    report("capture_overhead_vs_plain_dense", RESULTS["plain_forward_tokens_per_s"] / RESULTS["capture_packed_tokens_per_s"] - 1
+           if "plain_forward_tokens_per_s" in RESULTS else float("nan"))
+    check_packed_equals_unpacked(backend, request, args.token_budget)
+
+
+def check_packed_equals_unpacked(backend, request, token_budget) -> None:
+    """Per sample, the packed capture vs the sample captured alone (one row, no padding, the dense
+    causal kernel) on this device: the worst relative error over aux and last hidden."""
+    from dataclasses import replace
+
+    def rel(got, want):
+        return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+    n = min(4, len(request.input_ids))
+    packed = backend.capture(replace(request, token_budget=token_budget))
+    padded = backend.capture(replace(request, input_ids=request.input_ids[:n], loss_mask=request.loss_mask[:n],
+                                     local=slice(0, n)))
+    worst = noise = 0.0
+    for i in range(n):
+        alone = backend.capture(replace(request, input_ids=request.input_ids[i : i + 1],
+                                        loss_mask=request.loss_mask[i : i + 1], local=slice(0, 1)))
+        where, length = packed.seq_ids == i, len(request.input_ids[i])
+        worst = max(worst, rel(packed.aux_hidden[where], alone.aux_hidden[0]), rel(packed.last_hidden[where], alone.last_hidden[0]))
+        noise = max(noise, rel(padded.aux_hidden[i, :length], alone.aux_hidden[0]),
+                    rel(padded.last_hidden[i, :length], alone.last_hidden[0]))
+    report("packed_vs_alone_rel_err", worst)
+    report("padded_vs_alone_rel_err", noise)  # the same samples through the padded, masked kernel: bf16 noise
+
+
+def build_draft(args, backend):
+    from specforge_core.models.draft_config import draft_config_from_target
+    from specforge_core.models.eagle3 import Eagle3DraftModel
+
+    cfg = draft_config_from_target(backend.target_config, draft_vocab_size=args.vocab_d,
+                                   capture_layer_ids=list(backend.layer_ids))
+    with torch.device(args.device):
+        draft = Eagle3DraftModel(cfg)
+    draft.load_embedding(backend.embed_weight)
+    g = torch.Generator().manual_seed(args.seed)
+    used = torch.randperm(cfg.vocab_size, generator=g)[: args.vocab_d].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    draft.set_vocab_map(used - torch.arange(args.vocab_d), t2d)
+    draft.cast_params(torch.bfloat16)
+    return draft
+
+
+def draft_step_fn(args, draft, lm_head_weight):
+    """One training step of the draft on a captured batch: objective, backward, AdamW."""
+    from specforge_core.objective.ttt import eagle3_loss
+
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=args.device.type == "cuda")
+
+    def step(batch):
+        loss, sums = eagle3_loss(draft, batch, lm_head_weight, ttt_length=args.ttt_length, decay=0.8)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return sums
+
+    return step
+
+
+def dense_batch(args, backend, b, t):
+    from specforge_core.capture.base import CapturedBatch
+
+    h, v = backend.hidden_size, backend.vocab_size
+    d = args.device
+    ones = torch.ones(b, t, dtype=torch.long, device=d)
+    return CapturedBatch(
+        input_ids=torch.randint(3, v, (b, t), device=d), attention_mask=ones, loss_mask=ones.clone(),
+        aux_hidden=torch.randn(b, t, 3 * h, device=d, dtype=torch.bfloat16),
+        last_hidden=torch.randn(b, t, h, device=d, dtype=torch.bfloat16),
+    )
+
+
+def phase_draft(args, backend) -> None:
+    draft = build_draft(args, backend)
+    step = draft_step_fn(args, draft, backend.lm_head_weight)
+    for b, t in args.draft_shapes:
+        batch = dense_batch(args, backend, b, t)
+        if args.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            s = ref.timed(lambda: step(batch), warmup=2, iters=args.steps)
+            report(f"draft_{b}x{t}_peak_gib", gib(torch.cuda.max_memory_allocated()))
+        else:
+            s = _cpu_time(lambda: step(batch))
+        report(f"draft_{b}x{t}_tokens_per_s", b * t / s)
+        del batch
+    del draft, step
+
+
+def phase_train(args, backend, rows) -> None:
+    """The end-to-end loop: what a rank of ``specforge_core.train`` runs per optimizer step."""
+    draft = build_draft(args, backend)
+    step = draft_step_fn(args, draft, backend.lm_head_weight)
+    warmup = 3
+    stream = make_stream(args, backend, rows, batch_size=args.batch_size, token_budget=args.token_budget,
+                         steps=warmup + args.steps)
+    if args.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup):
+        batch = next(stream)
+        step(batch)
+        del batch
+        if i == 0:
+            sync(args.device)
+            report("seconds_to_first_optimizer_step", time.perf_counter() - LAUNCH)
+    sync(args.device)
+    start_stats = stream.stats.as_dict()
+    t0 = time.perf_counter()
+    for batch in stream:
+        step(batch)
+        del batch
+    sync(args.device)
+    seconds = time.perf_counter() - t0
+    s = stream.stats.as_dict()
+    tokens = s["local_tokens"] - start_stats["local_tokens"]
+    report("train_tokens_per_s", tokens / seconds)
+    report("train_samples_per_s", args.steps * args.batch_size / seconds)
+    report("train_tokens_per_step", tokens / args.steps)
+    report("train_capture_share", (s["capture_seconds"] - start_stats["capture_seconds"]) / seconds)
+    report("train_padding", 1 - tokens / (s["local_slots"] - start_stats["local_slots"]))
+    report("train_peak_staged_gib", gib(s["peak_staged_bytes"]))
+    if args.device.type == "cuda":
+        report("train_peak_allocated_gib", gib(torch.cuda.max_memory_allocated()))
+        report("train_peak_reserved_gib", gib(torch.cuda.max_memory_reserved()))
+    del draft, step
+
+
+def phase_peer(args) -> None:
+    best = None
+    for b, t in args.draft_shapes:
+        out = ref.peer_draft_step_tokens_per_s(args.shape, b, t, ttt_length=args.ttt_length, vocab_d=args.vocab_d)
+        if out is None:
+            return
+        tps, peak = out
+        report(f"peer_{b}x{t}_tokens_per_s", tps)
+        report(f"peer_{b}x{t}_peak_gib", peak)
+        if f"draft_{b}x{t}_tokens_per_s" in RESULTS:
+            report(f"draft_vs_peer_{b}x{t}", RESULTS[f"draft_{b}x{t}_tokens_per_s"] / tps)
+        best = tps if best is None else max(best, tps)
+    report("peer_best_tokens_per_s", best)
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="qwen3-8b", choices=[*ref.SHAPES, "tiny"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--phases", default="refs,capture,draft,train,peer")
+    p.add_argument("--batch-size", type=int, default=12, help="samples per micro-step (packed)")
+    p.add_argument("--unpacked-batch", type=int, default=4, help="samples per micro-step without packing")
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
+    p.add_argument("--ttt-length", type=int, default=7)
+    p.add_argument("--vocab-d", type=int, default=32000)
+    p.add_argument("--draft-shapes", default="1x4096,4x2048")
+    p.add_argument("--plain-shape", default="4x4096")
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.device = torch.device(args.device)
+    args.phases = args.phases.split(",")
+    args.draft_shapes = [tuple(int(x) for x in s.split("x")) for s in args.draft_shapes.split(",")]
+    args.plain_shape = tuple(int(x) for x in args.plain_shape.split("x"))
+    return args
+
+
+def build_backend(args):
+    from specforge_core.capture.hf import HFCaptureBackend
+    from specforge_core.capture.target import default_capture_layers
+
+    if args.shape == "tiny":
+        ref.SHAPES["tiny"] = dict(arch="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=4096,
+                                  max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1e6)
+    model = ref.build_random_target(args.shape, device=str(args.device))
+    return HFCaptureBackend(model, default_capture_layers(model.config.num_hidden_layers))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    report("shape", args.shape)
+    report("device", torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu")
+    report("torch", torch.__version__)
+    import transformers
+
+    report("transformers", transformers.__version__)
+    report("date", time.strftime("%Y-%m-%d %H:%M"))
+    report("config", f"batch_size={args.batch_size} token_budget={args.token_budget} ttt={args.ttt_length} "
+                     f"Vd={args.vocab_d} steps={args.steps}")
+    t0 = time.perf_counter()
+    backend = build_backend(args)
+    report("build_target_seconds", time.perf_counter() - t0)
+    rows = sharegpt_like_rows(args.samples, backend.vocab_size, args.seed)
+    report("mean_sample_tokens", sum(len(r["input_ids"]) for r in rows) / len(rows))
+    phases = {"refs": lambda: phase_refs(args, backend.model), "capture": lambda: phase_capture(args, backend, rows),
+              "draft": lambda: phase_draft(args, backend), "train": lambda: phase_train(args, backend, rows)}
+    for name in ("refs", "capture", "draft", "train"):
+        if name in args.phases:
+            t0 = time.perf_counter()
+            try:
+                phases[name]()
+            except Exception as e:  # report and go on: one broken phase must not cost the others
+                report(f"{name}_error", f"{type(e).__name__}: {e}"[:500])
+            report(f"{name}_phase_seconds", time.perf_counter() - t0)
+            if args.device.type == "cuda":
+                torch.cuda.empty_cache()  # between phases only, never inside a step loop
+    if "peer" in args.phases:
+        backend.close()
+        del backend
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        try:
+            phase_peer(args)
+        except Exception as e:
+            report("peer_error", f"{type(e).__name__}: {e}"[:500])
+        report("peer_phase_seconds", time.perf_counter() - t0)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    plain, peer, ours = (RESULTS.get(k) for k in ("plain_forward_tokens_per_s", "peer_best_tokens_per_s", "train_tokens_per_s"))
+    if plain and peer and ours:
+        report("serial_peer_tokens_per_s", 1 / (1 / plain + 1 / peer))
+        report("vs_peer", ours / RESULTS["serial_peer_tokens_per_s"])
+    else:
+        print("vs_peer=nan", flush=True)
+
+
+if __name__ == "__main__":
+    main()
