@@ -118,40 +118,55 @@ def _cpu_time(fn) -> float:
     return time.perf_counter() - t0
 
 
+def measure_stream(args, backend, rows, name, *, batch_size, token_budget) -> None:
+    """Steady-state capture figures of the real path (plan → stream → backend), 2 warm-up captures."""
+    stream = make_stream(args, backend, rows, batch_size=batch_size, token_budget=token_budget, steps=args.steps + 2)
+    for _ in range(2):
+        batch = next(stream)
+        del batch
+    start = stream.stats.as_dict()
+    for batch in stream:
+        del batch
+    end = stream.stats.as_dict()
+    tokens = end["island_tokens"] - start["island_tokens"]
+    slots = end["local_slots"] - start["local_slots"]
+    report(f"capture_{name}_tokens_per_s", tokens / (end["capture_seconds"] - start["capture_seconds"]))
+    report(f"capture_{name}_padding", 1 - tokens / slots)
+    report(f"capture_{name}_tokens_per_step", tokens / args.steps)
+
+
 def phase_capture(args, backend, rows) -> None:
     from dataclasses import replace
 
     from specforge_core.capture.base import TargetRequest
+    from specforge_core.capture.hf import compile_pointwise
 
-    for name, batch_size, budget in (("unpacked", args.unpacked_batch, None),
-                                     ("packed", args.batch_size, args.token_budget)):
-        stream = make_stream(args, backend, rows, batch_size=batch_size, token_budget=budget, steps=args.steps + 2)
-        for _ in range(2):  # warm-up captures are not counted
-            batch = next(stream)
-            del batch
-        start = stream.stats.as_dict()
-        for batch in stream:
-            del batch
-        end = stream.stats.as_dict()
-        tokens = end["island_tokens"] - start["island_tokens"]
-        seconds = end["capture_seconds"] - start["capture_seconds"]
-        slots = end["local_slots"] - start["local_slots"]
-        report(f"capture_{name}_tokens_per_s", tokens / seconds)
-        report(f"capture_{name}_padding", 1 - tokens / slots)
-        report(f"capture_{name}_tokens_per_step", tokens / args.steps)
-
+    measure_stream(args, backend, rows, "unpacked", batch_size=args.unpacked_batch, token_budget=None)
+    measure_stream(args, backend, rows, "packed", batch_size=args.batch_size, token_budget=args.token_budget)
     # The floor for the packed capture: a plain flat forward of one batch's samples.
     sample = rows[: args.batch_size]
     request = TargetRequest.from_rows([r["input_ids"] for r in sample], [r["loss_mask"] for r in sample],
                                       slice(0, len(sample)))
     floor = plain_varlen_forward_seconds(backend, request)
-    capture = ref.timed(lambda: backend.capture(replace(request, token_budget=args.token_budget)), warmup=1, iters=3) \
-        if backend.device.type == "cuda" else _cpu_time(lambda: backend.capture(replace(request, token_budget=args.token_budget)))
+    packed = replace(request, token_budget=args.token_budget)
+    capture = ref.timed(lambda: backend.capture(packed), warmup=1, iters=3) \
+        if backend.device.type == "cuda" else _cpu_time(lambda: backend.capture(packed))
     report("plain_varlen_forward_tokens_per_s", request.num_tokens / floor)
     report("capture_overhead_vs_plain_varlen", capture / floor - 1)
-    report("capture_overhead_vs_plain_dense", RESULTS["plain_forward_tokens_per_s"] / RESULTS["capture_packed_tokens_per_s"] - 1
-           if "plain_forward_tokens_per_s" in RESULTS else float("nan"))
+    if "plain_forward_tokens_per_s" in RESULTS:
+        report("capture_overhead_vs_plain_dense",
+               RESULTS["plain_forward_tokens_per_s"] / RESULTS["capture_packed_tokens_per_s"] - 1)
     check_packed_equals_unpacked(backend, request, args.token_budget)
+    if args.device.type == "cuda" and "compile" in args.capture_variants:
+        report("capture_compiled_modules", compile_pointwise(backend._decoder))
+        measure_stream(args, backend, rows, "packed_compiled", batch_size=args.batch_size, token_budget=args.token_budget)
+        if RESULTS["capture_packed_compiled_tokens_per_s"] < RESULTS["capture_packed_tokens_per_s"]:
+            torch._dynamo.reset()  # slower: train with the eager target
+            for module in backend._decoder.modules():
+                module._compiled_call_impl = None
+            report("capture_compiled_used", False)
+        else:
+            report("capture_compiled_used", True)
 
 
 def check_packed_equals_unpacked(backend, request, token_budget) -> None:
@@ -311,6 +326,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab-d", type=int, default=32000)
     p.add_argument("--draft-shapes", default="1x4096,4x2048")
     p.add_argument("--plain-shape", default="4x4096")
+    p.add_argument("--capture-variants", default="eager,compile", help="compile: also the target's norms/MLPs")
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)

@@ -38,7 +38,7 @@ class HFCaptureBackend:
 
     name = "hf"
 
-    def __init__(self, model, layer_ids: tuple[int, int, int]):
+    def __init__(self, model, layer_ids: tuple[int, int, int], *, compile: bool = False):
         model.eval().requires_grad_(False)
         self.model = model
         self.target_config = model.config
@@ -55,6 +55,8 @@ class HFCaptureBackend:
                 fix="use a decoder-only causal LM (Llama, Qwen, Mistral, ...) or the sglang backend",
             )
         varlen.install(model)
+        if compile and self.device.type == "cuda":
+            compile_pointwise(self._decoder)
         self._grabbed: dict[int, torch.Tensor] = {}
         self._hooks = [
             layers[layer].register_forward_hook(partial(self._grab, slot))
@@ -79,7 +81,7 @@ class HFCaptureBackend:
         if device.type == "cuda":
             load["device_map"] = str(device)
         model = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=dtype, **load)
-        return cls(model.to(device), layer_ids)
+        return cls(model.to(device), layer_ids, compile=cfg.training.compile)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -154,3 +156,20 @@ class HFCaptureBackend:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+def compile_pointwise(decoder) -> int:
+    """``torch.compile`` the decoder's RMSNorms and MLPs (dynamic shapes); returns how many.
+
+    Their element-wise work (fp32 casts, variance, SiLU × up) is memory bound and takes several
+    passes each in eager mode; compiled, each becomes one fused kernel around the matmuls. All
+    layers share one compiled graph (the modules' parameters are graph inputs), and token counts
+    vary per capture, hence ``dynamic=True``. Attention and RoPE stay eager.
+    """
+    count = 0
+    for module in decoder.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm") or name.endswith("MLP"):
+            module.compile(dynamic=True)
+            count += 1
+    return count
