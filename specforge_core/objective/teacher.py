@@ -1,0 +1,90 @@
+"""The compact teacher: what the loss needs from the target head, without [B, T, V] fp32 logits.
+
+    teacher = compute_teacher(last_hidden, lm_head_weight, draft.t2d)
+
+Target logits are ``last_hidden @ W^T`` (the post-final-norm hidden times the frozen target head),
+computed like the target computes them (in the head's dtype) and then read in fp32 (reference
+§2.2, §16.6). We stream over chunks of the vocabulary (and of the tokens) and keep only:
+
+- ``probs``: softmax over the Vd draft-vocab logits (ascending target id = draft id order),
+  the soft target of the cross-entropy;
+- ``log_mass``: log of the target's full-vocab probability mass on the draft vocab, so that the
+  un-renormalised target probabilities of draft tokens are ``probs * exp(log_mass)``;
+- ``argmax``: the full-vocab target argmax (first index on ties, as ``torch.argmax``);
+- ``in_draft``: whether that argmax is a draft-vocab token (``t2d[argmax]``).
+
+Peak extra memory is one ``[token_chunk, vocab_chunk]`` fp32 block plus the ``[N, Vd]`` outputs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Teacher:
+    """Teacher quantities per position, shapes ``[..., Vd]`` / ``[...]`` (leading dims of the input)."""
+
+    probs: torch.Tensor
+    log_mass: torch.Tensor
+    argmax: torch.Tensor
+    in_draft: torch.Tensor
+
+    def target_probs(self) -> torch.Tensor:
+        """Un-renormalised target probabilities of the draft tokens ``exp(z_d - logsumexp_V z)``."""
+        return self.probs * self.log_mass.exp().unsqueeze(-1)
+
+
+@torch.no_grad()
+def compute_teacher(
+    last_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    t2d: torch.Tensor,
+    vocab_chunk: int = 32768,
+    token_chunk: int = 8192,
+) -> Teacher:
+    """Teacher of every position of ``last_hidden [..., Ht]`` under head ``lm_head_weight [V, Ht]``.
+
+    ``t2d`` is the bool ``[V]`` draft-vocab mask. Logits are ``(h.to(W.dtype) @ W_chunk^T).float()``;
+    softmax, logsumexp and argmax run in fp32. No gradient.
+    """
+    lead = last_hidden.shape[:-1]
+    hidden = last_hidden.reshape(-1, last_hidden.shape[-1]).to(lm_head_weight.dtype)
+    n, vocab = hidden.shape[0], lm_head_weight.shape[0]
+    t2d = t2d.to(device=lm_head_weight.device, dtype=torch.bool)
+    draft_ids = torch.nonzero(t2d).flatten()  # ascending target ids = draft id order
+    starts = list(range(0, vocab, vocab_chunk))
+    # Draft ids whose target id falls in each vocab chunk form one contiguous range.
+    bounds = torch.searchsorted(draft_ids, torch.tensor(starts + [vocab], device=draft_ids.device)).tolist()
+
+    device = hidden.device
+    draft_logits = torch.empty(n, draft_ids.numel(), dtype=torch.float32, device=device)
+    lse = torch.empty(n, dtype=torch.float32, device=device)
+    argmax = torch.empty(n, dtype=torch.long, device=device)
+    for t0 in range(0, n, token_chunk):
+        h = hidden[t0 : t0 + token_chunk]
+        run_lse = torch.full((h.shape[0],), float("-inf"), dtype=torch.float32, device=device)
+        run_max = torch.full_like(run_lse, float("-inf"))
+        run_arg = torch.zeros(h.shape[0], dtype=torch.long, device=device)
+        for c, v0 in enumerate(starts):
+            logits = (h @ lm_head_weight[v0 : v0 + vocab_chunk].T).float()
+            run_lse = torch.logaddexp(run_lse, torch.logsumexp(logits, dim=-1))
+            chunk_arg = logits.argmax(dim=-1)
+            chunk_max = logits.gather(-1, chunk_arg[:, None]).squeeze(-1)
+            better = chunk_max > run_max  # strict: an earlier chunk wins ties, like a full argmax
+            run_max = torch.where(better, chunk_max, run_max)
+            run_arg = torch.where(better, chunk_arg + v0, run_arg)
+            lo, hi = bounds[c], bounds[c + 1]
+            if hi > lo:
+                draft_logits[t0 : t0 + h.shape[0], lo:hi] = logits[:, draft_ids[lo:hi] - v0]
+        lse[t0 : t0 + h.shape[0]] = run_lse
+        argmax[t0 : t0 + h.shape[0]] = run_arg
+
+    draft_lse = torch.logsumexp(draft_logits, dim=-1)
+    probs = draft_logits.sub_(draft_lse[:, None]).exp_()  # softmax in place: one [N, Vd] buffer
+    return Teacher(
+        probs=probs.reshape(*lead, -1),
+        log_mass=(draft_lse - lse).reshape(lead),
+        argmax=argmax.reshape(lead),
+        in_draft=t2d[argmax].reshape(lead),
+    )

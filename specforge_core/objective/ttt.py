@@ -1,0 +1,219 @@
+"""The EAGLE3 objective: one-token shift, K unrolled training-time-test steps, 0.8^k-weighted loss.
+
+    loss, sums = eagle3_loss(draft, batch, lm_head_weight, ttt_length=7, decay=0.8)
+    loss.backward()
+    summarize_metrics(all_reduce_metric_sums(sums), decay=0.8)   # acc_k, ploss_k, ...
+
+``batch`` is a captured batch (mapping or object): ``input_ids [B,T]``, ``attention_mask [B,T]``,
+``loss_mask [B,T]``, ``aux_hidden [B,T,3·Ht]``, ``last_hidden [B,T,Ht]``, optional
+``position_ids`` / ``seq_ids`` ``[B,T]`` for packed rows. The exact math (reference-facts §2):
+
+- shift: at position t, step 0 embeds ``ids[t+1]`` on top of ``fc(aux[t])`` and learns the target
+  distribution at position t+1. Step k embeds ``ids[t+1+k]``, uses RoPE position ``pos[t]+k``,
+  and learns the target distribution at t+k+1 under the loss mask ``lm[t+k]``.
+- a position counts at step k (``valid``) iff ``lm[t+k]``, tokens t and t+k+1 are real, and t and
+  t+k+1 belong to the same sample. For unpacked right-padded rows this is exactly the reference
+  rule (mask shifted by k, last real position's mask zeroed); for packed rows it is what makes
+  each sample's numbers equal its unpacked numbers.
+- ``pm`` = valid and the target's full-vocab argmax is a draft token; the soft cross-entropy
+  against the renormalised draft-vocab target counts where ``pm``.
+- ``L_k = Σ_{b,t} pm·CE / (B·T)`` (masked positions count in the denominator);
+  ``loss = Σ_k decay^k L_k``. Gradients flow through the carried hidden across all steps.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specforge_core.errors import ModelError
+from specforge_core.objective.attention import TTTAttention
+from specforge_core.objective.metrics import metric_sums
+from specforge_core.objective.teacher import compute_teacher
+
+REQUIRED_FIELDS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "last_hidden")
+
+
+@dataclass
+class StepTerms:
+    """Per-position terms of one unrolled step, each ``[B, T]`` (zero where the step has no target).
+
+    ``loss`` (with grad): pm-weighted soft CE; ``correct``/``valid``: acc numerator/denominator;
+    ``accept``/``in_draft``: acceptance-rate numerator (pm-weighted Σ min(p, q)) / denominator (pm).
+    """
+
+    loss: torch.Tensor
+    correct: torch.Tensor
+    valid: torch.Tensor
+    accept: torch.Tensor
+    in_draft: torch.Tensor
+
+
+def _ce_rows(logits, target, weight):
+    loss = -(target * torch.log_softmax(logits.float(), dim=-1)).sum(dim=-1)
+    return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
+
+
+def _ce_grad(logits, target, weight, grad):
+    probs = torch.softmax(logits.float(), dim=-1)
+    coef = torch.where(weight > 0, grad * weight, torch.zeros_like(grad))[..., None]
+    return (coef * (probs * target.sum(dim=-1, keepdim=True) - target)).to(logits.dtype)
+
+
+def _overlap(logits, target, log_mass):
+    """Σ_v min(q_draft, p_target) with p_target = renormalised target · exp(log_mass)."""
+    return torch.minimum(torch.softmax(logits.float(), dim=-1), target * log_mass.exp()[..., None]).sum(dim=-1)
+
+
+_FUSED: dict = {}
+
+
+def _fused(fn, device: torch.device):
+    """``fn`` compiled into a few fused kernels on CUDA (these [N, Vd] passes are memory bound);
+    plain eager elsewhere."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _FUSED:
+        _FUSED[fn] = torch.compile(fn, dynamic=True)
+    return _FUSED[fn]
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """``-Σ_v target·log_softmax(logits)`` times ``weight``, per row, in fp32.
+
+    Saves the logits (in their own dtype) instead of an fp32 log-softmax, and recomputes the
+    softmax in backward: half the activation memory per step in bf16.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, weight):
+        ctx.save_for_backward(logits, target, weight)
+        return _fused(_ce_rows, logits.device)(logits, target, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, target, weight = ctx.saved_tensors
+        return _fused(_ce_grad, logits.device)(logits, target, weight, grad), None, None
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Row-wise weighted soft cross-entropy (fp32 result, gradient to ``logits`` only)."""
+    return _SoftCrossEntropy.apply(logits, target, weight)
+
+
+def ttt_unroll(
+    draft, batch, lm_head_weight: torch.Tensor, *, ttt_length: int = 7, backend: str = "auto", vocab_chunk: int = 32768
+) -> list[StepTerms]:
+    """Run the K-step unroll and return the per-position terms of every step (see module doc)."""
+    ids, attn, lm, aux, last, pos, seq = _read_batch(batch, lm_head_weight)
+    b, t = ids.shape
+    # Teacher index i is the target distribution at position i+1 (the one-token shift).
+    teacher = compute_teacher(last[:, 1:], lm_head_weight, draft.t2d, vocab_chunk=vocab_chunk)
+    target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
+    attention = TTTAttention(attn, seq, backend)
+    keys, values, steps = [], [], []
+
+    def attend(q, key, value):  # this step's keys join the ones of the earlier steps
+        keys.append(key)
+        values.append(value)
+        return attention(q, keys, values)
+
+    hidden = None
+    for k in range(ttt_length):
+        n = t - 1 - k  # positions t' < n have a target at t'+k+1 inside the row
+        if n <= 0:
+            steps.append(_empty_terms(b, t, ids.device))
+            continue
+        step_ids = F.pad(ids[:, 1 + k :], (0, k + 1))
+        if k == 0:
+            hidden, logits = draft(step_ids, pos, attend, aux_hidden=aux)
+        else:
+            hidden, logits = draft(step_ids, pos + k, attend, hidden=hidden)
+        logits = logits[:, :n]
+
+        here = slice(0, n)  # query positions t
+        label = slice(k, k + n)  # loss mask lm[t+k] and teacher index t+k (distribution at t+k+1)
+        ahead = slice(k + 1, k + 1 + n)  # position t+k+1 itself: real and in t's sample
+        valid = lm[:, label] & attn[:, here] & attn[:, ahead] & (seq[:, here] == seq[:, ahead])
+        pm = valid & teacher.in_draft[:, label]
+        loss = soft_cross_entropy(logits, teacher.probs[:, label], pm.float())
+        with torch.no_grad():
+            correct = (target_ids[logits.argmax(dim=-1)] == teacher.argmax[:, label]) & valid
+            overlap = _fused(_overlap, logits.device)(logits, teacher.probs[:, label], teacher.log_mass[:, label])
+            accept = torch.where(pm, overlap, torch.zeros_like(overlap))
+        pad = (0, t - n)
+        steps.append(
+            StepTerms(
+                loss=F.pad(loss, pad),
+                correct=F.pad(correct.float(), pad),
+                valid=F.pad(valid.float(), pad),
+                accept=F.pad(accept, pad),
+                in_draft=F.pad(pm.float(), pad),
+            )
+        )
+    return steps
+
+
+def eagle3_loss(
+    draft,
+    batch,
+    lm_head_weight: torch.Tensor,
+    *,
+    ttt_length: int = 7,
+    decay: float = 0.8,
+    backend: str = "auto",
+    vocab_chunk: int = 32768,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(loss, sums)``: the scalar ``Σ_k decay^k L_k`` and the summable metric numerators and
+    denominators (``metrics.metric_sums``; reduce across ranks by summing)."""
+    steps = ttt_unroll(
+        draft, batch, lm_head_weight, ttt_length=ttt_length, backend=backend, vocab_chunk=vocab_chunk
+    )
+    b, t = steps[0].loss.shape
+    loss = sum(decay**k * s.loss.sum() for k, s in enumerate(steps)) / (b * t)
+    return loss, metric_sums(steps, positions=b * t)
+
+
+def _field(batch, name):
+    return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
+
+
+def _read_batch(batch, lm_head_weight):
+    missing = [f for f in REQUIRED_FIELDS if _field(batch, f) is None]
+    if missing:
+        raise ModelError(
+            f"captured batch lacks {missing}",
+            where="captured batch",
+            fix="capture all of " + ", ".join(REQUIRED_FIELDS),
+        )
+    ids = _field(batch, "input_ids").long()
+    b, t = ids.shape
+    attn = _field(batch, "attention_mask").bool()
+    lm = _field(batch, "loss_mask").bool()
+    aux, last = _field(batch, "aux_hidden"), _field(batch, "last_hidden")
+    pos = _field(batch, "position_ids")
+    pos = torch.arange(t, device=ids.device).expand(b, t) if pos is None else pos.long()
+    seq = _field(batch, "seq_ids")
+    seq = torch.zeros_like(ids) if seq is None else seq.long()
+    for name, value in (("attention_mask", attn), ("loss_mask", lm), ("position_ids", pos), ("seq_ids", seq)):
+        if tuple(value.shape) != (b, t):
+            raise ModelError(
+                f"{name} shape {tuple(value.shape)} != input_ids {(b, t)}", where=f"captured batch: {name}"
+            )
+    for name, value in (("aux_hidden", aux), ("last_hidden", last)):
+        if tuple(value.shape[:2]) != (b, t):
+            raise ModelError(
+                f"{name} shape {tuple(value.shape)} does not start with {(b, t)}", where=f"captured batch: {name}"
+            )
+    if last.shape[-1] != lm_head_weight.shape[-1]:
+        raise ModelError(
+            f"last_hidden width {last.shape[-1]} != target head width {lm_head_weight.shape[-1]}",
+            where="captured batch: last_hidden",
+            fix="pass the lm_head weight of the target that produced the batch",
+        )
+    return ids, attn, lm, aux, last, pos, seq
+
+
+def _empty_terms(b: int, t: int, device) -> StepTerms:
+    zero = torch.zeros(b, t, device=device)
+    return StepTerms(loss=zero, correct=zero, valid=zero, accept=zero, in_draft=zero)

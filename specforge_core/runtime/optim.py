@@ -1,0 +1,118 @@
+"""FSDP2 over the draft, AdamW with fp32 master weights, global gradient clipping, accumulation.
+
+The trainer hands over one ``root`` module whose ``forward`` runs the whole training step (the
+objective over the draft). :func:`shard` makes all its trainable parameters one FSDP2 group:
+the root's forward gathers them once, the objective then calls whatever draft methods it likes
+(``project_hidden``, ``midlayer.project_qkv``, ``compute_logits`` ...) on ordinary tensors, and
+the gathered parameters stay until the end of backward (``reshard_after_forward=False``, like
+FSDP1's SHARD_GRAD_OP): the TTT unroll uses the layer K times per micro-batch, and the draft is a
+single layer, so finer groups would only add collectives.
+
+Parameters are kept sharded in fp32: they are the master weights and AdamW's state is fp32 too.
+With ``param_dtype=bfloat16`` a ``MixedPrecisionPolicy`` gathers them as bf16 for compute and
+reduce-scatters gradients in fp32. Frozen parameters (the embedding copied from the target) are
+not sharded: every rank keeps one copy in the compute dtype and FSDP never gathers it.
+"""
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import AdamW
+
+from specforge_core.runtime.distributed import Dist
+from specforge_core.runtime.schedule import build_scheduler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def shard(root: nn.Module, d: Dist, *, param_dtype: Literal["float32", "bfloat16"] = "float32") -> FSDPModule:
+    """Apply ``fully_shard`` to ``root`` over ``d.mesh``; returns it (now an ``FSDPModule``).
+
+    Moves ``root`` to ``d.device`` and keeps trainable parameters in fp32 (master weights).
+    Frozen parameters are cast to ``param_dtype`` and left unsharded on every rank. Buffers keep
+    their dtype (RoPE tables stay fp32, the vocab map int64/bool).
+    """
+    compute = _DTYPES[param_dtype]
+    root.to(d.device)
+    frozen = {p for p in root.parameters() if not p.requires_grad}
+    with torch.no_grad():
+        for p in root.parameters():
+            p.data = p.data.to(compute if p in frozen else torch.float32)
+    kwargs = {}
+    if compute != torch.float32:
+        # The root's inputs are the captured batch: leave them in the precision the capture produced.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    fully_shard(root, mesh=d.mesh, reshard_after_forward=False, ignored_params=frozen or None, **kwargs)
+    return root  # type: ignore[return-value]
+
+
+class DraftOptimizer:
+    """AdamW + learning-rate schedule + clipping over a sharded root; whole optimizer steps only.
+
+    Per micro-batch call :meth:`backward`; after exactly ``accumulation_steps`` of them call
+    :meth:`step`. Gradients are reduce-scattered only on the last micro-batch of a window; the loss
+    is divided by ``accumulation_steps`` so a window's gradient is the mean over its micro-batches.
+    ``optimizer`` and ``scheduler`` are public for checkpointing.
+    """
+
+    def __init__(
+        self,
+        root: FSDPModule,
+        *,
+        learning_rate: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        accumulation_steps: int,
+        total_steps: int,
+        warmup_ratio: float,
+        lr_scheduler: Literal["cosine", "constant"],
+    ):
+        self.root = root
+        self.params = [p for p in root.parameters() if p.requires_grad]  # type: ignore[attr-defined]
+        if not self.params:
+            raise ValueError("the module has no trainable parameters")
+        self.max_grad_norm = max_grad_norm
+        self.accumulation_steps = accumulation_steps
+        self.optimizer = AdamW(self.params, lr=learning_rate, weight_decay=weight_decay)
+        self.scheduler = build_scheduler(
+            self.optimizer, total_steps=total_steps, warmup_ratio=warmup_ratio, kind=lr_scheduler
+        )
+        self.micro_batches = 0  # in the current accumulation window
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of one micro-batch's loss (synchronising on the window's last)."""
+        if self.micro_batches >= self.accumulation_steps:
+            raise RuntimeError(
+                f"backward() after {self.micro_batches} micro-batches without step(): the window "
+                f"holds accumulation_steps={self.accumulation_steps}"
+            )
+        last = self.micro_batches == self.accumulation_steps - 1
+        self.root.set_requires_gradient_sync(last)
+        (loss / self.accumulation_steps).backward()
+        self.micro_batches += 1
+
+    def step(self) -> dict[str, float]:
+        """Clip to ``max_grad_norm`` (global norm over all shards), update, advance the schedule.
+
+        Returns the pre-clip ``grad_norm`` and the ``lr`` this update used. Raises RuntimeError
+        unless the window is complete: a partial accumulation window never updates the weights.
+        """
+        if self.micro_batches != self.accumulation_steps:
+            raise RuntimeError(
+                f"step() after {self.micro_batches} of accumulation_steps={self.accumulation_steps} "
+                "micro-batches: only whole optimizer steps are trained"
+            )
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.micro_batches = 0
+        return {"grad_norm": float(norm), "lr": float(lr)}

@@ -1,0 +1,283 @@
+"""The training loop: capture one batch, train on it, release it; whole optimizer steps; log; save.
+
+    trainer = Trainer(cfg, d, plan, draft=draft, objective=objective, derive=derive,
+                      open_stream=lambda start: RolloutStream.from_plan(plan, d.rank, rows, backend,
+                                                                        start_sample=start),
+                      contract=contract, write_draft_files=write_draft_files)
+    trainer.fit()       # resume (per training.resume) → train to the plan's horizon → final save
+
+``python -m specforge_core.train`` builds these pieces from a run config; this module knows nothing
+about EAGLE3 itself: the ``objective(draft, batch) -> (loss, sums)`` computes the loss and the
+summable metric sums, ``derive(sums)`` turns reduced sums into named metrics.
+
+One optimizer step, on every rank: ``accumulation_steps`` times { pull one batch from the rollout
+stream (exactly one capture) → objective → backward → ``del`` the batch }, then clip + AdamW + LR
+schedule. Logs every ``log_interval`` steps and at the end; saves every ``save_interval`` steps
+(0: never in between) and at the end. No ``torch.cuda.empty_cache()``: the captured batch is
+released by dropping the last reference before the next capture, and the allocator reuses it.
+
+What resume guarantees: the run continues from the newest complete checkpoint with the same
+weights, optimizer, schedule, RNG and data position (the stream skips the consumed prompts without
+capturing them) after :func:`~specforge_core.runtime.checkpoint.check_resume` has found the
+recorded contract equal to this run's — so the resumed run trains exactly what the uninterrupted
+one would have.
+"""
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specforge_core.capture.base import CapturedBatch
+from specforge_core.config import RunConfig, dump_config
+from specforge_core.errors import ResumeError
+from specforge_core.plan import PromptPlan
+from specforge_core.runtime.checkpoint import (
+    TRAIN_STATE,
+    check_resume,
+    latest_checkpoint,
+    load_checkpoint,
+    read_train_state,
+    save_checkpoint,
+)
+from specforge_core.runtime.distributed import Dist
+from specforge_core.runtime.metrics import MetricsLogger
+from specforge_core.runtime.optim import DraftOptimizer, shard
+from specforge_core.runtime.rollout import RolloutStream
+
+Objective = Callable[[nn.Module, CapturedBatch], tuple[torch.Tensor, dict]]
+
+# Training options that change what a step computes: resuming with other values is refused.
+_OPTIMIZATION_FIELDS = (
+    "learning_rate",
+    "lr_scheduler",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "param_dtype",
+    "ttt_length",
+    "ploss_decay",
+    "token_budget",
+)
+
+
+def config_identity(config: dict) -> str:
+    """sha256 of a JSON-able config, independent of key order."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def directory_identity(path: str | Path, *, content_limit: int = 1 << 20) -> str:
+    """sha256 naming a model directory: the content of its small files, name and size of big ones.
+
+    Config, tokenizer and index files (below ``content_limit`` bytes) are hashed whole; weight
+    files by name and size only, because hashing gigabytes at every start costs minutes. A copy or
+    re-download of the same model keeps its identity; a changed config, tokenizer or shard does not.
+    """
+    root = Path(path)
+    h = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        size = file.stat().st_size
+        h.update(f"{file.relative_to(root).as_posix()}\0{size}\0".encode())
+        if size <= content_limit:
+            h.update(file.read_bytes())
+    return h.hexdigest()
+
+
+def training_contract(
+    cfg: RunConfig, plan: PromptPlan, *, prompt_cache: str, vocab_map: str, target: str, draft_config: dict
+) -> dict:
+    """What a checkpoint must share with a run that resumes it (compared field by field).
+
+    The plan record (dataset size, seed, epochs, world size, tp size and island count, batch,
+    accumulation, max_steps, permutation checksum, horizon), the identities of the prompt cache,
+    vocab map, target and draft config, and the optimisation options.
+    """
+    return {
+        "plan": plan.to_json(),
+        "identities": {
+            "prompt_cache": prompt_cache,
+            "vocab_map": vocab_map,
+            "target": target,
+            "draft_config": config_identity(draft_config),
+        },
+        "optimization": {name: getattr(cfg.training, name) for name in _OPTIMIZATION_FIELDS},
+    }
+
+
+class TrainStep(nn.Module):
+    """The FSDP root: ``forward(batch)`` runs the objective over the draft (its only child)."""
+
+    def __init__(self, draft: nn.Module, objective: Objective):
+        super().__init__()
+        self.draft = draft
+        self.objective = objective
+
+    def forward(self, batch: CapturedBatch) -> tuple[torch.Tensor, dict]:
+        return self.objective(self.draft, batch)
+
+
+class Trainer:
+    """Setup → :meth:`fit` (resume, train, save). See the module docstring for the loop."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        d: Dist,
+        plan: PromptPlan,
+        *,
+        draft: nn.Module,
+        objective: Objective,
+        derive: Callable[[dict[str, torch.Tensor]], dict[str, float]],
+        open_stream: Callable[[int], RolloutStream],
+        contract: dict,
+        write_draft_files: Callable[[Path, dict[str, torch.Tensor]], None],
+        echo: bool = True,
+    ):
+        t = cfg.training
+        self.cfg, self.d, self.plan = cfg, d, plan
+        self.run_dir = Path(cfg.output.dir)
+        self.total_steps = plan.total_optimizer_steps
+        self.accumulation_steps = plan.accumulation_steps
+        self.draft = draft
+        self.root = shard(TrainStep(draft, objective), d, param_dtype=t.param_dtype)
+        self.optimizer = DraftOptimizer(
+            self.root,
+            learning_rate=t.learning_rate,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+            accumulation_steps=plan.accumulation_steps,
+            total_steps=self.total_steps,
+            warmup_ratio=t.warmup_ratio,
+            lr_scheduler=t.lr_scheduler,
+        )
+        self.metrics = MetricsLogger(
+            self.run_dir, d, total_steps=self.total_steps, derive=derive, sp_size=t.sp_size, echo=echo
+        )
+        self.open_stream = open_stream
+        self.contract = contract
+        self.write_draft_files = write_draft_files
+        self.echo = echo
+        self.step = 0  # optimizer steps done
+        self.consumed_samples = 0  # samples this rank has trained (the plan's resume cursor)
+        self.resumed_from: Path | None = None
+
+    # ---- resume --------------------------------------------------------------------------------
+
+    def resume(self) -> Path | None:
+        """Restore the newest complete checkpoint as ``training.resume`` says; returns it or None.
+
+        Raises ResumeError when the recorded contract differs from this run's (naming every
+        field), when ``resume=must`` finds no checkpoint, or when ``resume=never`` finds one.
+        """
+        mode = self.cfg.training.resume
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            if mode == "must":
+                raise ResumeError(
+                    "training.resume=must but the run has no complete checkpoint",
+                    where=str(self.run_dir / "checkpoints"),
+                    fix="set training.resume=auto to start fresh, or point output.dir at the run to resume",
+                )
+            self.metrics.discard_after(0)  # lines of an earlier attempt that never checkpointed
+            return None
+        if mode == "never":
+            raise ResumeError(
+                f"training.resume=never but the run directory already holds checkpoints ({ckpt.name})",
+                where=str(self.run_dir),
+                fix="choose a new output.dir for a fresh run, or set training.resume=auto to continue this one",
+            )
+        state = read_train_state(ckpt)
+        check_resume(state["contract"], self.contract, where=str(ckpt / TRAIN_STATE))
+        load_checkpoint(
+            ckpt, self.d, draft=self.draft, optimizer=self.optimizer.optimizer, scheduler=self.optimizer.scheduler
+        )
+        self.step = state["step"]
+        self.consumed_samples = state["consumed_samples_per_rank"]
+        self.metrics.discard_after(self.step)
+        self.resumed_from = ckpt
+        if self.d.is_main and self.echo:
+            print(f"resumed from {ckpt} at step {self.step}/{self.total_steps}", flush=True)
+        return ckpt
+
+    # ---- loop ----------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """Resume if there is something to resume, train to the horizon, save the final checkpoint."""
+        self.resume()
+        if self.step >= self.total_steps:
+            return
+        stream = self.open_stream(self.consumed_samples)
+        try:
+            while self.step < self.total_steps:
+                self._optimizer_step(stream)
+                self.step += 1
+                last = self.step == self.total_steps
+                if last or self.step % self.cfg.training.log_interval == 0:
+                    self.metrics.flush(self.step)
+                interval = self.cfg.training.save_interval
+                if last or (interval and self.step % interval == 0):
+                    self.save()
+        finally:
+            stream.close()
+
+    def _optimizer_step(self, stream: RolloutStream) -> None:
+        stats = stream.stats
+        for _ in range(self.accumulation_steps):
+            if self.d.device.type == "cuda":
+                # Drain the previous step's kernels so the time spent in next() is the capture's.
+                torch.cuda.synchronize(self.d.device)
+            before = (stats.capture_seconds, stats.captures, stats.island_tokens)
+            start = time.perf_counter()
+            batch = next(stream, None)
+            if batch is None:
+                raise RuntimeError(
+                    f"the rollout stream ended at step {self.step} of {self.total_steps}: "
+                    "the stream and the plan disagree about the horizon"
+                )
+            wait_s = time.perf_counter() - start
+            loss, sums = self.root(batch)
+            self.optimizer.backward(loss)
+            samples = batch.batch_size
+            # Release the captured features before the next capture (the stream stages one batch).
+            del batch, loss
+            self.consumed_samples += samples
+            self.metrics.add_micro_batch(
+                sums,
+                samples=samples,
+                wait_s=wait_s,
+                capture_s=stats.capture_seconds - before[0],
+                captures=stats.captures - before[1],
+                captured_tokens=stats.island_tokens - before[2],
+                staged_bytes=stats.peak_staged_bytes,
+            )
+        self.metrics.add_step(**self.optimizer.step())
+
+    # ---- save ----------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        """Checkpoint the current optimizer step (collective)."""
+        state = {
+            "consumed_samples_per_rank": self.consumed_samples,
+            "consumed_samples": self.consumed_samples * self.d.world_size,
+            "total_steps": self.total_steps,
+            "contract": self.contract,
+            "config": dump_config(self.cfg),
+        }
+        path = save_checkpoint(
+            self.run_dir,
+            self.d,
+            step=self.step,
+            draft=self.draft,
+            optimizer=self.optimizer.optimizer,
+            scheduler=self.optimizer.scheduler,
+            write_draft_files=self.write_draft_files,
+            train_state=state,
+            keep=self.cfg.training.keep_checkpoints,
+        )
+        if self.d.is_main and self.echo:
+            print(f"checkpoint {path.name} saved", flush=True)
+        return path

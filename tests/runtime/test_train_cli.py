@@ -1,0 +1,175 @@
+"""``python -m specforge_core.train`` under real torchrun: topologies, a killed run resumed, SmolLM2.
+
+Every run here is the product's own entry point on real pieces: tiny (or SmolLM2) target with the
+hf capture backend, the content-keyed prompt cache, the vocab map, the EAGLE3 draft and objective,
+FSDP2 over gloo.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from specforge_core.config import load_config
+from specforge_core.data.samples import write_chitchat_jsonl
+from specforge_core.errors import ConfigError
+from specforge_core.plan import PromptPlan
+from specforge_core.runtime.checkpoint import checkpoints_dir, latest_checkpoint
+from specforge_core.runtime.metrics import METRICS_FILE
+from specforge_core.train import load_plan, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-cli")
+    write_chitchat_jsonl(root / "chat.jsonl", 48)
+    return root
+
+
+def write_config(workdir: Path, name: str, target: Path, **sections) -> Path:
+    """A run config on ``target`` (tiny unless told), one shared prompt cache, run dir ``workdir/name``."""
+    cfg = {
+        "model": {"target": str(target), "dtype": "float32"},
+        "data": {"train_files": [str(workdir / "chat.jsonl")], "max_length": 160, "cache_dir": str(workdir / "cache")},
+        "draft": {"draft_vocab_size": 256},
+        "training": {"batch_size": 1, "accumulation_steps": 2, "ttt_length": 3, "log_interval": 1,
+                     "learning_rate": 1e-3, "max_steps": 2},
+        "capture": {"device": "cpu"},
+        "output": {"dir": str(workdir / name)},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def torchrun(config: Path, nproc: int, *overrides: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "specforge_core.train", "--config", str(config), *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **popen)
+
+
+def run_to_end(config: Path, nproc: int, *overrides: str, timeout: float = 240) -> str:
+    proc = torchrun(config, nproc, *overrides)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+
+
+# --- topologies -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world,tp", [(1, 1), (2, 2), (4, 2)])  # 2 ranks, tp 1: straight_run below
+def test_torchrun_trains_and_checkpoints_on_each_topology(workdir, tiny_target_dir, world, tp):
+    name = f"w{world}-tp{tp}"
+    config = write_config(workdir, name, tiny_target_dir,
+                          training={"tp_size": tp}, deployment={"nproc_per_node": world})
+    out = run_to_end(config, world)
+    assert "step=2/2 loss=" in out
+    run_dir = workdir / name
+    assert [p.name for p in checkpoints_dir(run_dir).iterdir() if p.name.startswith("step-")] == ["step-00000002"]
+    last = records(run_dir)[-1]
+    assert last["captures"] == 2 * world and last["samples_per_s"] > 0 and "acc_0" in last
+    weights = load_file(str(latest_checkpoint(run_dir) / "draft.safetensors"))
+    assert "embed_tokens.weight" not in weights and "d2t" in weights
+
+
+# --- a killed run, resumed ----------------------------------------------------------------------
+
+
+def _kill_after_checkpoint(config: Path, nproc: int, step: int) -> None:
+    """Start the run and SIGKILL its whole process tree once checkpoint ``step`` is announced."""
+    proc = torchrun(config, nproc)
+    announced = f"checkpoint step-{step:08d} saved"
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:
+        if announced in line:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        assert time.monotonic() < deadline, "the run did not reach its checkpoint in time"
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
+N = 2  # the killed run is checkpointed at step N and killed; both runs train 2N steps
+
+
+@pytest.fixture(scope="module")
+def straight_run(workdir, tiny_target_dir):
+    config = write_config(workdir, "straight", tiny_target_dir, training={"max_steps": 2 * N, "save_interval": N},
+                          deployment={"nproc_per_node": 2})
+    run_to_end(config, 2)
+    return workdir / "straight"
+
+
+def test_killed_run_resumes_to_identical_losses_and_bit_identical_weights(workdir, tiny_target_dir, straight_run):
+    killed = write_config(workdir, "killed", tiny_target_dir, training={"max_steps": 2 * N, "save_interval": N},
+                          deployment={"nproc_per_node": 2})
+    _kill_after_checkpoint(killed, 2, step=N)
+    assert latest_checkpoint(workdir / "killed").name == f"step-{N:08d}"
+    out = run_to_end(killed, 2)
+    assert f"resumed from {checkpoints_dir(workdir / 'killed') / f'step-{N:08d}'}" in out
+
+    a, b = records(straight_run), records(workdir / "killed")
+    assert [r["step"] for r in b] == list(range(1, 2 * N + 1))
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]
+    assert [r["captures"] for r in b] == [2 * 2] * (2 * N)  # the resumed half captured only its own prompts
+    wa = load_file(str(latest_checkpoint(straight_run) / "draft.safetensors"))
+    wb = load_file(str(latest_checkpoint(workdir / "killed") / "draft.safetensors"))
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# --- the entry point itself (in process) ------------------------------------------------------------
+
+
+def test_entry_point_asks_for_expandable_segments_before_anything_else(monkeypatch, tmp_path):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_world_size_other_than_the_config_is_refused_naming_the_field(workdir, tiny_target_dir, capsys):
+    config = write_config(workdir, "mismatch", tiny_target_dir, deployment={"nproc_per_node": 2})
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "deployment.nproc_per_node" in err and "torchrun started 1 ranks" in err
+
+
+def test_recorded_plan_of_another_config_is_refused(workdir, tiny_target_dir, tmp_path):
+    cfg = load_config(write_config(workdir, "plan", tiny_target_dir))
+    PromptPlan.from_config(cfg, 40).save(tmp_path / "plan.json")
+    other = load_config(write_config(workdir, "plan", tiny_target_dir, training={"seed": 7}))
+    with pytest.raises(ConfigError, match="seed: 42 → 7"):
+        load_plan(other, 40, str(tmp_path / "plan.json"))
+
+
+# --- the real model ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_one_rank_trains_a_draft_for_smollm2(workdir, smollm2_dir):
+    config = write_config(workdir, "smollm2", smollm2_dir, data={"max_length": 96}, draft={"draft_vocab_size": 2048},
+                          training={"accumulation_steps": 1, "ttt_length": 7})
+    out = run_to_end(config, 1, timeout=600)
+    assert "step=2/2 loss=" in out
+    last = records(workdir / "smollm2")[-1]
+    assert last["loss"] > 0 and 0 <= last["acc_0"] <= 1
+    assert (latest_checkpoint(workdir / "smollm2") / "draft_config.json").is_file()
