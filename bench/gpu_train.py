@@ -139,7 +139,6 @@ def phase_capture(args, backend, rows) -> None:
     from dataclasses import replace
 
     from specforge_core.capture.base import TargetRequest
-    from specforge_core.capture.hf import compile_pointwise
 
     measure_stream(args, backend, rows, "unpacked", batch_size=args.unpacked_batch, token_budget=None)
     measure_stream(args, backend, rows, "packed", batch_size=args.batch_size, token_budget=args.token_budget)
@@ -157,16 +156,19 @@ def phase_capture(args, backend, rows) -> None:
         report("capture_overhead_vs_plain_dense",
                RESULTS["plain_forward_tokens_per_s"] / RESULTS["capture_packed_tokens_per_s"] - 1)
     check_packed_equals_unpacked(backend, request, args.token_budget)
-    if args.device.type == "cuda" and "compile" in args.capture_variants:
-        report("capture_compiled_modules", compile_pointwise(backend._decoder))
-        measure_stream(args, backend, rows, "packed_compiled", batch_size=args.batch_size, token_budget=args.token_budget)
-        if RESULTS["capture_packed_compiled_tokens_per_s"] < RESULTS["capture_packed_tokens_per_s"]:
-            torch._dynamo.reset()  # slower: train with the eager target
-            for module in backend._decoder.modules():
-                module._compiled_call_impl = None
-            report("capture_compiled_used", False)
-        else:
-            report("capture_compiled_used", True)
+
+
+def phase_capture_compiled(args, backend, rows) -> None:
+    """The packed capture with the target's norms/MLPs compiled; kept for training only if faster."""
+    from specforge_core.compile import compile_pointwise
+
+    report("capture_compiled_modules", compile_pointwise(backend._decoder))
+    measure_stream(args, backend, rows, "packed_compiled", batch_size=args.batch_size, token_budget=args.token_budget)
+    faster = RESULTS["capture_packed_compiled_tokens_per_s"] > RESULTS.get("capture_packed_tokens_per_s", 0)
+    report("capture_compiled_used", faster)
+    if not faster:
+        for module in backend._decoder.modules():
+            module._compiled_call_impl = None
 
 
 def check_packed_equals_unpacked(backend, request, token_budget) -> None:
@@ -194,11 +196,11 @@ def check_packed_equals_unpacked(backend, request, token_budget) -> None:
 
 
 def build_draft(args, backend):
+    """Our EAGLE3 draft for the target (fp32 parameters; the step's precision is set by its caller)."""
     from specforge_core.models.draft_config import draft_config_from_target
     from specforge_core.models.eagle3 import Eagle3DraftModel
 
-    cfg = draft_config_from_target(backend.target_config, draft_vocab_size=args.vocab_d,
-                                   capture_layer_ids=list(backend.layer_ids))
+    cfg = draft_config_from_target(backend.target_config, args.vocab_d, list(backend.layer_ids))
     with torch.device(args.device):
         draft = Eagle3DraftModel(cfg)
     draft.load_embedding(backend.embed_weight)
@@ -207,25 +209,39 @@ def build_draft(args, backend):
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[used] = True
     draft.set_vocab_map(used - torch.arange(args.vocab_d), t2d)
-    draft.cast_params(torch.bfloat16)
     return draft
 
 
-def draft_step_fn(args, draft, lm_head_weight):
-    """One training step of the draft on a captured batch: objective, backward, AdamW."""
-    from specforge_core.objective.ttt import eagle3_loss
+class TrainLoop:
+    """The training step of ``specforge_core.train`` on one rank: the trainer's FSDP2 root over the
+    objective (bf16 compute, fp32 masters), its AdamW + clipping + schedule; ``step(batch)`` is one
+    micro-batch = one optimizer step (accumulation 1)."""
 
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=args.device.type == "cuda")
+    def __init__(self, args, backend, *, compile_pointwise: bool = False, total_steps: int = 1000):
+        from functools import partial
 
-    def step(batch):
-        loss, sums = eagle3_loss(draft, batch, lm_head_weight, ttt_length=args.ttt_length, decay=0.8)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return sums
+        from specforge_core.objective import eagle3_loss
+        from specforge_core.runtime.distributed import init_distributed
+        from specforge_core.runtime.optim import DraftOptimizer, shard
+        from specforge_core.runtime.trainer import TrainStep
 
-    return step
+        d = init_distributed("cuda" if args.device.type == "cuda" else "cpu")
+        draft = build_draft(args, backend)
+        if compile_pointwise:
+            from specforge_core.compile import compile_pointwise as compile_modules
+
+            report("draft_compiled_modules", compile_modules(draft))
+        objective = partial(eagle3_loss, lm_head_weight=backend.lm_head_weight, ttt_length=args.ttt_length, decay=0.8)
+        self.root = shard(TrainStep(draft, objective), d, param_dtype="bfloat16")
+        self.optimizer = DraftOptimizer(self.root, learning_rate=1e-4, weight_decay=0.0, max_grad_norm=0.5,
+                                        accumulation_steps=1, total_steps=total_steps, warmup_ratio=0.015,
+                                        lr_scheduler="cosine")
+
+    def step(self, batch) -> None:
+        loss, sums = self.root(batch)
+        self.optimizer.backward(loss)
+        del loss, sums
+        self.optimizer.step()
 
 
 def dense_batch(args, backend, b, t):
@@ -241,26 +257,28 @@ def dense_batch(args, backend, b, t):
     )
 
 
-def phase_draft(args, backend) -> None:
-    draft = build_draft(args, backend)
-    step = draft_step_fn(args, draft, backend.lm_head_weight)
+def phase_draft(args, backend, variant: str) -> None:
+    """Our isolated draft step on dense shapes (the peer's shapes), eager or with compiled norms/MLPs."""
+    loop = TrainLoop(args, backend, compile_pointwise=variant == "compiled")
     for b, t in args.draft_shapes:
         batch = dense_batch(args, backend, b, t)
+        key = f"draft_{variant}_{b}x{t}"
         if args.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-            s = ref.timed(lambda: step(batch), warmup=2, iters=args.steps)
-            report(f"draft_{b}x{t}_peak_gib", gib(torch.cuda.max_memory_allocated()))
+            s = ref.timed(lambda: loop.step(batch), warmup=2, iters=args.steps)
+            report(f"{key}_peak_gib", gib(torch.cuda.max_memory_allocated()))
         else:
-            s = _cpu_time(lambda: step(batch))
-        report(f"draft_{b}x{t}_tokens_per_s", b * t / s)
+            s = _cpu_time(lambda: loop.step(batch))
+        report(f"{key}_tokens_per_s", b * t / s)
+        best = RESULTS.get(f"draft_{b}x{t}_tokens_per_s", 0.0)
+        RESULTS[f"draft_{b}x{t}_tokens_per_s"] = max(best, b * t / s)
         del batch
-    del draft, step
+    del loop
 
 
-def phase_train(args, backend, rows) -> None:
-    """The end-to-end loop: what a rank of ``specforge_core.train`` runs per optimizer step."""
-    draft = build_draft(args, backend)
-    step = draft_step_fn(args, draft, backend.lm_head_weight)
+def phase_train(args, backend, rows, variant: str) -> None:
+    """The end-to-end loop: plan → rollout stream (packed capture) → draft step, per optimizer step."""
+    loop = TrainLoop(args, backend, compile_pointwise=variant == "compiled")
     warmup = 3
     stream = make_stream(args, backend, rows, batch_size=args.batch_size, token_budget=args.token_budget,
                          steps=warmup + args.steps)
@@ -268,31 +286,33 @@ def phase_train(args, backend, rows) -> None:
         torch.cuda.reset_peak_memory_stats()
     for i in range(warmup):
         batch = next(stream)
-        step(batch)
+        loop.step(batch)
         del batch
-        if i == 0:
+        if i == 0 and "seconds_to_first_optimizer_step" not in RESULTS:
             sync(args.device)
             report("seconds_to_first_optimizer_step", time.perf_counter() - LAUNCH)
     sync(args.device)
     start_stats = stream.stats.as_dict()
     t0 = time.perf_counter()
     for batch in stream:
-        step(batch)
+        loop.step(batch)
         del batch
     sync(args.device)
     seconds = time.perf_counter() - t0
     s = stream.stats.as_dict()
     tokens = s["local_tokens"] - start_stats["local_tokens"]
-    report("train_tokens_per_s", tokens / seconds)
-    report("train_samples_per_s", args.steps * args.batch_size / seconds)
-    report("train_tokens_per_step", tokens / args.steps)
-    report("train_capture_share", (s["capture_seconds"] - start_stats["capture_seconds"]) / seconds)
-    report("train_padding", 1 - tokens / (s["local_slots"] - start_stats["local_slots"]))
-    report("train_peak_staged_gib", gib(s["peak_staged_bytes"]))
+    key = f"train_{variant}"
+    report(f"{key}_tokens_per_s", tokens / seconds)
+    report(f"{key}_samples_per_s", args.steps * args.batch_size / seconds)
+    report(f"{key}_tokens_per_step", tokens / args.steps)
+    report(f"{key}_capture_share", (s["capture_seconds"] - start_stats["capture_seconds"]) / seconds)
+    report(f"{key}_padding", 1 - tokens / (s["local_slots"] - start_stats["local_slots"]))
+    report(f"{key}_peak_staged_gib", gib(s["peak_staged_bytes"]))
     if args.device.type == "cuda":
-        report("train_peak_allocated_gib", gib(torch.cuda.max_memory_allocated()))
-        report("train_peak_reserved_gib", gib(torch.cuda.max_memory_reserved()))
-    del draft, step
+        report(f"{key}_peak_allocated_gib", gib(torch.cuda.max_memory_allocated()))
+        report(f"{key}_peak_reserved_gib", gib(torch.cuda.max_memory_reserved()))
+    RESULTS["train_tokens_per_s"] = max(RESULTS.get("train_tokens_per_s", 0.0), tokens / seconds)
+    del loop
 
 
 def phase_peer(args) -> None:
@@ -304,8 +324,6 @@ def phase_peer(args) -> None:
         tps, peak = out
         report(f"peer_{b}x{t}_tokens_per_s", tps)
         report(f"peer_{b}x{t}_peak_gib", peak)
-        if f"draft_{b}x{t}_tokens_per_s" in RESULTS:
-            report(f"draft_vs_peer_{b}x{t}", RESULTS[f"draft_{b}x{t}_tokens_per_s"] / tps)
         best = tps if best is None else max(best, tps)
     report("peer_best_tokens_per_s", best)
 
@@ -326,6 +344,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab-d", type=int, default=32000)
     p.add_argument("--draft-shapes", default="1x4096,4x2048")
     p.add_argument("--plain-shape", default="4x4096")
+    p.add_argument("--draft-variants", default="eager,compiled", help="compiled: the draft's norms/MLPs too")
     p.add_argument("--capture-variants", default="eager,compile", help="compile: also the target's norms/MLPs")
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
@@ -333,6 +352,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.phases = args.phases.split(",")
+    args.draft_variants = args.draft_variants.split(",")
     args.draft_shapes = [tuple(int(x) for x in s.split("x")) for s in args.draft_shapes.split(",")]
     args.plain_shape = tuple(int(x) for x in args.plain_shape.split("x"))
     return args
@@ -348,6 +368,20 @@ def build_backend(args):
                                   max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1e6)
     model = ref.build_random_target(args.shape, device=str(args.device))
     return HFCaptureBackend(model, default_capture_layers(model.config.num_hidden_layers))
+
+
+def run_phase(name, fn, args) -> None:
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:  # report and go on: one broken phase must not cost the others
+        report(f"{name}_error", f"{type(e).__name__}: {e}"[:500])
+    report(f"{name}_phase_seconds", time.perf_counter() - t0)
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()  # between phases only, never inside a step loop
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
 def main(argv=None) -> None:
@@ -367,31 +401,30 @@ def main(argv=None) -> None:
     report("build_target_seconds", time.perf_counter() - t0)
     rows = sharegpt_like_rows(args.samples, backend.vocab_size, args.seed)
     report("mean_sample_tokens", sum(len(r["input_ids"]) for r in rows) / len(rows))
-    phases = {"refs": lambda: phase_refs(args, backend.model), "capture": lambda: phase_capture(args, backend, rows),
-              "draft": lambda: phase_draft(args, backend), "train": lambda: phase_train(args, backend, rows)}
-    for name in ("refs", "capture", "draft", "train"):
-        if name in args.phases:
-            t0 = time.perf_counter()
-            try:
-                phases[name]()
-            except Exception as e:  # report and go on: one broken phase must not cost the others
-                report(f"{name}_error", f"{type(e).__name__}: {e}"[:500])
-            report(f"{name}_phase_seconds", time.perf_counter() - t0)
-            if args.device.type == "cuda":
-                torch.cuda.empty_cache()  # between phases only, never inside a step loop
-    if "peer" in args.phases:
-        backend.close()
-        del backend
-        torch.cuda.empty_cache()
-        t0 = time.perf_counter()
-        try:
-            phase_peer(args)
-        except Exception as e:
-            report("peer_error", f"{type(e).__name__}: {e}"[:500])
-        report("peer_phase_seconds", time.perf_counter() - t0)
+    # Eager first, then the peer, then the compiled variants: a slow compile cannot cost the baseline.
+    steps = [("refs", lambda: phase_refs(args, backend.model)),
+             ("capture", lambda: phase_capture(args, backend, rows))]
+    for variant in args.draft_variants:
+        if variant == "compiled":
+            steps.append(("peer", lambda: phase_peer(args)))
+            if "compile" in args.capture_variants:
+                steps.append(("capture_compiled", lambda: phase_capture_compiled(args, backend, rows)))
+        steps.append((f"draft_{variant}", lambda v=variant: phase_draft(args, backend, v)))
+        steps.append((f"train_{variant}", lambda v=variant: phase_train(args, backend, rows, v)))
+    if "compiled" not in args.draft_variants:
+        steps.append(("peer", lambda: phase_peer(args)))
+    for name, fn in steps:
+        if name.split("_")[0] in args.phases:
+            run_phase(name, fn, args)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    for b, t in args.draft_shapes:
+        ours, peer = RESULTS.get(f"draft_{b}x{t}_tokens_per_s"), RESULTS.get(f"peer_{b}x{t}_tokens_per_s")
+        if ours and peer:
+            report(f"draft_vs_peer_{b}x{t}", ours / peer)
+    if "train_tokens_per_s" in RESULTS:
+        report("train_best_tokens_per_s", RESULTS["train_tokens_per_s"])
     plain, peer, ours = (RESULTS.get(k) for k in ("plain_forward_tokens_per_s", "peer_best_tokens_per_s", "train_tokens_per_s"))
     if plain and peer and ours:
         report("serial_peer_tokens_per_s", 1 / (1 / plain + 1 / peer))

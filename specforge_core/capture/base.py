@@ -51,6 +51,11 @@ class TargetRequest:
         )
 
     @property
+    def num_samples(self) -> int:
+        """Samples in the batch: one per task id (packed rows hold several); rows without task ids."""
+        return len(self.task_ids) if self.task_ids else self.batch_size
+
+    @property
     def num_tokens(self) -> int:
         """Real tokens in the whole TP-wide batch (what the target computes)."""
         return sum(len(r) for r in self.input_ids)
@@ -75,7 +80,13 @@ class CapturedBatch:
 
     @property
     def batch_size(self) -> int:
+        """Rows (packed rows count once however many samples they hold: see ``num_samples``)."""
         return self.input_ids.shape[0]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the batch: one per task id (packed rows hold several); rows without task ids."""
+        return len(self.task_ids) if self.task_ids else self.batch_size
 
     @property
     def num_tokens(self) -> int:

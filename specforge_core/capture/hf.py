@@ -30,6 +30,7 @@ from specforge_core.capture import varlen
 from specforge_core.capture.base import CapturedBatch, TargetRequest, attention_mask_for, local_inputs, pad_right
 from specforge_core.capture.packing import layout_for
 from specforge_core.capture.target import resolve_capture_layers, resolve_dtype, text_config, validate_colocated
+from specforge_core.compile import compile_pointwise
 from specforge_core.errors import ConfigError, ModelError
 
 
@@ -157,19 +158,3 @@ class HFCaptureBackend:
             hook.remove()
         self._hooks.clear()
 
-
-def compile_pointwise(decoder) -> int:
-    """``torch.compile`` the decoder's RMSNorms and MLPs (dynamic shapes); returns how many.
-
-    Their element-wise work (fp32 casts, variance, SiLU × up) is memory bound and takes several
-    passes each in eager mode; compiled, each becomes one fused kernel around the matmuls. All
-    layers share one compiled graph (the modules' parameters are graph inputs), and token counts
-    vary per capture, hence ``dynamic=True``. Attention and RoPE stay eager.
-    """
-    count = 0
-    for module in decoder.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNorm") or name.endswith("MLP"):
-            module.compile(dynamic=True)
-            count += 1
-    return count

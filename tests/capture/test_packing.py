@@ -143,3 +143,8 @@ def test_a_budget_below_max_length_is_refused_before_loading(tiny_target_dir):
     ])
     with pytest.raises(ConfigError, match="training.token_budget=128 is shorter than data.max_length=256"):
         build_capture_backend(cfg)
+
+
+def test_a_packed_batch_counts_its_samples_not_its_rows(hf_backend):
+    batch = hf_backend.capture(packed(make_request([3, 2, 4]), 16))
+    assert batch.batch_size == 1 and batch.num_samples == 3
