@@ -156,7 +156,5 @@ def test_records_after_the_resumed_step_are_discarded(tmp_path):
 
 
 def test_format_line_shows_the_objectives_simulated_acceptance_length():
-    from specforge_core.objective.metrics import summarize_metrics  # noqa: F401  (the key's owner)
-
     line = format_line({"step": 3, "total_steps": 9, "simulated_accept_length_with_bonus": 1.625})
     assert "accept_len=1.625" in line
