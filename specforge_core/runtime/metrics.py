@@ -59,7 +59,7 @@ def format_line(record: MetricsRecord) -> str:
         ("loss", "loss", ".4f"),
         ("acc_0", "acc_0", ".3f"),
         ("samples_per_s", "samples/s", ".2f"),
-        ("simulated_acceptance_length", "accept_len", ".3f"),
+        ("simulated_accept_length_with_bonus", "accept_len", ".3f"),
         ("lr", "lr", ".2e"),
         ("grad_norm", "grad_norm", ".3f"),
         ("capture_share", "capture", ".0%"),
