@@ -142,6 +142,8 @@ def run_lock(cfg, d):
     if d.is_main:
         try:
             lock = RunLock(cfg.output.dir, wait_s=None if cfg.output.on_busy == "fail" else float("inf")).acquire()
+            if lock.took_over is not None:
+                print(f"took over the stale lock of {lock.took_over.describe()}", flush=True)
         except SpecForgeError as e:
             error = e
     error = broadcast_object(d, error)
@@ -180,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_world(cfg, d)
+        from specforge_core.preflight import check_run_inputs
+
+        check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
         with run_lock(cfg, d):
             trainer, backend = build(cfg, d, args.plan)
             try:
