@@ -104,54 +104,144 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch
 def ttt_unroll(
     draft, batch, lm_head_weight: torch.Tensor, *, ttt_length: int = 7, backend: str = "auto", vocab_chunk: int = 32768
 ) -> list[StepTerms]:
-    """Run the K-step unroll and return the per-position terms of every step (see module doc)."""
+    """Run the K-step unroll and return the per-position terms of every step (see module doc).
+
+    Only what reaches a term is computed: step 0 runs on the real tokens (every one is a key of
+    its sample), step k on the positions whose chain still has a target at step k or later, the
+    teacher on the positions some step reads. Padding and unsupervised positions cost nothing
+    beyond the step-0 keys; the terms equal those of the full ``[B, T]`` unroll.
+    """
     ids, attn, lm, aux, last, pos, seq = _read_batch(batch, lm_head_weight)
     b, t = ids.shape
-    # Teacher index i is the target distribution at position i+1 (the one-token shift).
-    teacher = compute_teacher(last[:, 1:], lm_head_weight, draft.t2d, vocab_chunk=vocab_chunk)
+    valid = _valid_masks(attn, lm, seq, ttt_length)
+    rows = _unroll_rows(attn, valid)
+    teacher, teacher_slot = _needed_teacher(last, valid, lm_head_weight, draft.t2d, vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
+    grid = _Grid(b, t)
     attention = TTTAttention(attn, seq, backend)
     keys, values, steps = [], [], []
 
-    def attend(q, key, value):  # this step's keys join the ones of the earlier steps
-        keys.append(key)
-        values.append(value)
-        return attention(q, keys, values)
-
-    hidden = None
+    hidden, prev = None, None
     for k in range(ttt_length):
-        n = t - 1 - k  # positions t' < n have a target at t'+k+1 inside the row
-        if n <= 0:
+        idx = rows[k]
+        if idx is None:  # no target at this step or later
             steps.append(_empty_terms(b, t, ids.device))
             continue
-        step_ids = F.pad(ids[:, 1 + k :], (0, k + 1))
-        if k == 0:
-            hidden, logits = draft(step_ids, pos, attend, aux_hidden=aux)
-        else:
-            hidden, logits = draft(step_ids, pos + k, attend, hidden=hidden)
-        logits = logits[:, :n]
+        grid.select(idx)
 
-        here = slice(0, n)  # query positions t
-        label = slice(k, k + n)  # loss mask lm[t+k] and teacher index t+k (distribution at t+k+1)
-        ahead = slice(k + 1, k + 1 + n)  # position t+k+1 itself: real and in t's sample
-        valid = lm[:, label] & attn[:, here] & attn[:, ahead] & (seq[:, here] == seq[:, ahead])
-        pm = valid & teacher.in_draft[:, label]
-        loss = soft_cross_entropy(logits, teacher.probs[:, label], pm.float())
+        def attend(q, key, value):  # this step's keys join the ones of the earlier steps
+            keys.append(grid.scatter(key))
+            values.append(grid.scatter(value))
+            return grid.gather(attention(grid.scatter(q), keys, values))
+
+        step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[idx][None]
+        step_pos = (pos + k).flatten()[idx][None]
+        if k == 0:
+            hidden, logits = draft(step_ids, step_pos, attend, aux_hidden=aux.flatten(0, 1)[idx][None])
+        else:
+            hidden, logits = draft(step_ids, step_pos, attend, hidden=hidden[:, prev[idx]])
+        prev = torch.full((b * t,), -1, dtype=torch.long, device=ids.device)
+        prev[idx] = torch.arange(idx.numel(), device=ids.device)
+
+        here = torch.nonzero(valid[k].flatten()[idx]).flatten()  # rows of this step with a target
+        flat = idx[here]  # their positions t (flattened b·T + t)
+        label = teacher_slot[flat + k]  # teacher index t+k: the target distribution at t+k+1
+        logits = logits[0, here]
+        probs = teacher.probs[label]
+        pm = teacher.in_draft[label]
+        loss = soft_cross_entropy(logits, probs, pm.float())
         with torch.no_grad():
-            correct = (target_ids[logits.argmax(dim=-1)] == teacher.argmax[:, label]) & valid
-            overlap = _fused(_overlap, logits.device)(logits, teacher.probs[:, label], teacher.log_mass[:, label])
+            correct = target_ids[logits.argmax(dim=-1)] == teacher.argmax[label]
+            overlap = _fused(_overlap, logits.device)(logits, probs, teacher.log_mass[label])
             accept = torch.where(pm, overlap, torch.zeros_like(overlap))
-        pad = (0, t - n)
         steps.append(
             StepTerms(
-                loss=F.pad(loss, pad),
-                correct=F.pad(correct.float(), pad),
-                valid=F.pad(valid.float(), pad),
-                accept=F.pad(accept, pad),
-                in_draft=F.pad(pm.float(), pad),
+                loss=grid.place(loss, flat),
+                correct=grid.place(correct.float(), flat),
+                valid=valid[k].float(),
+                accept=grid.place(accept, flat),
+                in_draft=grid.place(pm.float(), flat),
             )
         )
     return steps
+
+
+def _valid_masks(attn, lm, seq, ttt_length: int) -> list[torch.Tensor]:
+    """``valid[k] [B,T]``: position t has a step-k target (module doc): ``lm[t+k]``, tokens t and
+    t+k+1 real and in the same sample."""
+    b, t = attn.shape
+    out = []
+    for k in range(ttt_length):
+        n = max(t - 1 - k, 0)
+        here, label, ahead = slice(0, n), slice(k, k + n), slice(k + 1, k + 1 + n)
+        v = lm[:, label] & attn[:, here] & attn[:, ahead] & (seq[:, here] == seq[:, ahead])
+        out.append(F.pad(v, (0, t - n)))
+    return out
+
+
+def _unroll_rows(attn, valid) -> list[torch.Tensor | None]:
+    """Flattened positions each step computes, ascending; None where nothing is left to learn.
+
+    Step k ≥ 1 needs position t iff some step j ≥ k has a target there (its hidden is carried
+    along the same position), so each step's rows are a subset of the previous step's. Step 0
+    computes every real token: they are all keys of their sample's later positions.
+    """
+    needed = torch.zeros_like(valid[0])
+    rows: list[torch.Tensor | None] = [None] * len(valid)
+    for k in range(len(valid) - 1, 0, -1):
+        needed = needed | valid[k]
+        rows[k] = torch.nonzero(needed.flatten()).flatten()
+    rows[0] = torch.nonzero(attn.flatten()).flatten()
+    # Trailing steps without targets are skipped; step 0 always runs (the loss keeps its graph).
+    for k in range(len(valid) - 1, 0, -1):
+        if rows[k].numel():
+            break
+        rows[k] = None
+    return rows
+
+
+def _needed_teacher(last, valid, lm_head_weight, t2d, vocab_chunk):
+    """The teacher at every index some step reads, and ``slot [B·T]``: its row per flattened index.
+
+    Teacher index i (flattened ``b·T + i``) is the target distribution at position i+1; step k
+    reads it at its targets t = i - k.
+    """
+    b, t = valid[0].shape
+    read = torch.zeros(b * t, dtype=torch.bool, device=last.device)
+    for k, v in enumerate(valid):
+        read[torch.nonzero(v.flatten()).flatten() + k] = True
+    index = torch.nonzero(read).flatten()
+    teacher = compute_teacher(last.flatten(0, 1)[index + 1], lm_head_weight, t2d, vocab_chunk=vocab_chunk)
+    slot = torch.full((b * t,), -1, dtype=torch.long, device=last.device)
+    slot[index] = torch.arange(index.numel(), device=last.device)
+    return teacher, slot
+
+
+class _Grid:
+    """Moves one step's computed rows (``[1, ..., n, ...]``, positions ``idx``) to and from the
+    padded ``[B, heads, T, hd]`` layout the TTT attention works in (zeros elsewhere)."""
+
+    def __init__(self, b: int, t: int):
+        self.b, self.t = b, t
+        self.idx = None
+
+    def select(self, idx: torch.Tensor) -> None:
+        self.idx = idx
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        heads, hd = x.shape[1], x.shape[3]
+        rows = x[0].transpose(0, 1)  # [n, heads, hd]
+        grid = rows.new_zeros(self.b * self.t, heads, hd).index_copy(0, self.idx, rows)
+        return grid.view(self.b, self.t, heads, hd).transpose(1, 2)
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        heads, hd = y.shape[1], y.shape[3]
+        return y.transpose(1, 2).reshape(self.b * self.t, heads, hd)[self.idx].transpose(0, 1)[None]
+
+    def place(self, values: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` zeros with ``values`` at the flattened positions ``flat``."""
+        out = values.new_zeros(self.b * self.t).index_copy(0, flat, values)
+        return out.view(self.b, self.t)
 
 
 def eagle3_loss(
