@@ -117,31 +117,30 @@ def ttt_unroll(
     rows = _unroll_rows(attn, valid)
     teacher, teacher_slot = _needed_teacher(last, valid, lm_head_weight, draft.t2d, vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
-    grid = _Grid(b, t)
     attention = TTTAttention(attn, seq, backend)
-    keys, values, steps = [], [], []
+    keys, values, key_rows, steps = [], [], [], []
 
-    hidden, prev = None, None
+    hidden, slot = None, None  # slot[b·T + t]: the row of position t in the previous step
     for k in range(ttt_length):
         idx = rows[k]
         if idx is None:  # no target at this step or later
             steps.append(_empty_terms(b, t, ids.device))
             continue
-        grid.select(idx)
 
-        def attend(q, key, value):  # this step's keys join the ones of the earlier steps
-            keys.append(grid.scatter(key))
-            values.append(grid.scatter(value))
-            return grid.gather(attention(grid.scatter(q), keys, values))
+        def attend(q, key, value, idx=idx):  # this step's keys join the ones of the earlier steps
+            keys.append(key)
+            values.append(value)
+            key_rows.append(idx)
+            return attention(q, keys, values, key_rows)
 
         step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[idx][None]
         step_pos = (pos + k).flatten()[idx][None]
         if k == 0:
             hidden, logits = draft(step_ids, step_pos, attend, aux_hidden=aux.flatten(0, 1)[idx][None])
         else:
-            hidden, logits = draft(step_ids, step_pos, attend, hidden=hidden[:, prev[idx]])
-        prev = torch.full((b * t,), -1, dtype=torch.long, device=ids.device)
-        prev[idx] = torch.arange(idx.numel(), device=ids.device)
+            hidden, logits = draft(step_ids, step_pos, attend, hidden=hidden[:, slot[idx]])
+        slot = torch.full((b * t,), -1, dtype=torch.long, device=ids.device)
+        slot[idx] = torch.arange(idx.numel(), device=ids.device)
 
         here = torch.nonzero(valid[k].flatten()[idx]).flatten()  # rows of this step with a target
         flat = idx[here]  # their positions t (flattened b·T + t)
@@ -156,11 +155,11 @@ def ttt_unroll(
             accept = torch.where(pm, overlap, torch.zeros_like(overlap))
         steps.append(
             StepTerms(
-                loss=grid.place(loss, flat),
-                correct=grid.place(correct.float(), flat),
+                loss=_place(loss, flat, b, t),
+                correct=_place(correct.float(), flat, b, t),
                 valid=valid[k].float(),
-                accept=grid.place(accept, flat),
-                in_draft=grid.place(pm.float(), flat),
+                accept=_place(accept, flat, b, t),
+                in_draft=_place(pm.float(), flat, b, t),
             )
         )
     return steps
@@ -217,31 +216,9 @@ def _needed_teacher(last, valid, lm_head_weight, t2d, vocab_chunk):
     return teacher, slot
 
 
-class _Grid:
-    """Moves one step's computed rows (``[1, ..., n, ...]``, positions ``idx``) to and from the
-    padded ``[B, heads, T, hd]`` layout the TTT attention works in (zeros elsewhere)."""
-
-    def __init__(self, b: int, t: int):
-        self.b, self.t = b, t
-        self.idx = None
-
-    def select(self, idx: torch.Tensor) -> None:
-        self.idx = idx
-
-    def scatter(self, x: torch.Tensor) -> torch.Tensor:
-        heads, hd = x.shape[1], x.shape[3]
-        rows = x[0].transpose(0, 1)  # [n, heads, hd]
-        grid = rows.new_zeros(self.b * self.t, heads, hd).index_copy(0, self.idx, rows)
-        return grid.view(self.b, self.t, heads, hd).transpose(1, 2)
-
-    def gather(self, y: torch.Tensor) -> torch.Tensor:
-        heads, hd = y.shape[1], y.shape[3]
-        return y.transpose(1, 2).reshape(self.b * self.t, heads, hd)[self.idx].transpose(0, 1)[None]
-
-    def place(self, values: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` zeros with ``values`` at the flattened positions ``flat``."""
-        out = values.new_zeros(self.b * self.t).index_copy(0, flat, values)
-        return out.view(self.b, self.t)
+def _place(values: torch.Tensor, flat: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """``[B, T]`` zeros with ``values`` at the flattened positions ``flat``."""
+    return values.new_zeros(b * t).index_copy(0, flat, values).view(b, t)
 
 
 def eagle3_loss(
