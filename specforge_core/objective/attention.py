@@ -10,7 +10,8 @@ same-position scores are merged with it exactly (softmax over a union = LSE-weig
 
 The unroll computes each step on *rows*: flattened positions ``b·T + t`` of the ``[B, T]`` batch,
 ascending. Step 0's rows are the real tokens (every one is a key); step k's rows are a subset of
-step k-1's. ``TTTAttention(attention_mask, seq_ids, backend)(q, keys, values, rows)`` takes the
+step k-1's, and the queries of step 0 may be a subset of its keys' rows.
+``TTTAttention(attention_mask, seq_ids, backend)(q, q_rows, keys, values, key_rows)`` takes the
 queries of the current step and the keys/values of steps 0..k on their rows.
 
 Two backends, same numbers:
@@ -98,22 +99,28 @@ class TTTAttention:
             self.block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=real.device)
 
     def __call__(
-        self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], rows: list[torch.Tensor]
+        self,
+        q: torch.Tensor,
+        q_rows: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        key_rows: list[torch.Tensor],
     ) -> torch.Tensor:
-        """``q [1,nh,n,hd]``: the current step's queries on ``rows[-1]``; ``keys``/``values``: steps
-        0..k, ``[1,nkv,n_j,hd]`` on ``rows[j]``. Returns the output ``[1,nh,n,hd]`` in ``q``'s dtype."""
+        """``q [1,nh,n,hd]``: the current step's queries on ``q_rows``; ``keys``/``values``: steps
+        0..k, ``[1,nkv,n_j,hd]`` on ``key_rows[j]`` (step 0's: the real tokens; step j's must hold
+        ``q_rows``). Returns the output ``[1,nh,n,hd]`` in ``q``'s dtype."""
         nh, hd = q.shape[1], q.shape[3]
         nkv = keys[0].shape[1]
         scale = hd**-0.5
         if self.backend == "sdpa":
-            out0, lse0 = self._step_zero_sdpa(q, keys[0], values[0], rows[-1], scale)
+            out0, lse0 = self._step_zero_sdpa(q, keys[0], values[0], q_rows, scale)
         else:
-            out0, lse0 = self._step_zero_flex(q, keys[0], values[0], rows[-1], scale)
+            out0, lse0 = self._step_zero_flex(q, keys[0], values[0], q_rows, scale)
         if len(keys) == 1:
             return out0.to(q.dtype).view(1, nh, -1, hd)
         # Steps 1..k: the key/value each step made at the query's own position.
         b, t = self.shape
-        here = [_slots(r, b * t)[rows[-1]] for r in rows[1:]]
+        here = [_slots(r, b * t)[q_rows] for r in key_rows[1:]]
         same_keys = [k[:, :, i] for k, i in zip(keys[1:], here)]
         same_values = [v[:, :, i] for v, i in zip(values[1:], here)]
         g = nh // nkv
@@ -142,6 +149,8 @@ class TTTAttention:
             probs = torch.exp(scores - lse[..., None]).to(q.dtype)
             outs.append((probs @ value[0, :, None, k0:k1]).float())
             lses.append(lse)
+        if not outs:  # no queries (a batch without targets)
+            return q.new_zeros(1, nkv, nh // nkv, 0, hd, dtype=torch.float32), q.new_zeros(1, nkv, nh // nkv, 0)
         return torch.cat(outs, dim=2)[None], torch.cat(lses, dim=2)[None]
 
     def _step_zero_flex(self, q, key, value, rows, scale):

@@ -89,7 +89,7 @@ def compute_teacher(
     draft_lse = torch.logsumexp(draft_logits, dim=-1)
     probs = draft_logits.sub_(draft_lse[:, None]).exp_()  # softmax in place: one [N, Vd] buffer
     return Teacher(
-        probs=probs.reshape(*lead, -1),
+        probs=probs.reshape(*lead, draft_ids.numel()),
         log_mass=(draft_lse - lse).reshape(lead),
         argmax=argmax.reshape(lead),
         in_draft=t2d[argmax].reshape(lead),

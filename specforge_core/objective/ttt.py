@@ -106,18 +106,20 @@ def ttt_unroll(
 ) -> list[StepTerms]:
     """Run the K-step unroll and return the per-position terms of every step (see module doc).
 
-    Only what reaches a term is computed: step 0 runs on the real tokens (every one is a key of
-    its sample), step k on the positions whose chain still has a target at step k or later, the
-    teacher on the positions some step reads. Padding and unsupervised positions cost nothing
-    beyond the step-0 keys; the terms equal those of the full ``[B, T]`` unroll.
+    Only what reaches a term is computed: step k on the positions whose chain still has a target
+    at step k or later (step 0 also makes keys and values on every real token: they are the keys
+    of their sample's later positions), the teacher on the indices some step reads. Padding and
+    unsupervised positions cost nothing beyond the step-0 keys; the terms equal those of the full
+    ``[B, T]`` unroll.
     """
     ids, attn, lm, aux, last, pos, seq = _read_batch(batch, lm_head_weight)
     b, t = ids.shape
     valid = _valid_masks(attn, lm, seq, ttt_length)
-    rows = _unroll_rows(attn, valid)
+    rows = _unroll_rows(valid)
     teacher, teacher_slot = _needed_teacher(last, valid, lm_head_weight, draft.t2d, vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
     attention = TTTAttention(attn, seq, backend)
+    real = torch.nonzero(attn.flatten()).flatten()
     keys, values, key_rows, steps = [], [], [], []
 
     hidden, slot = None, None  # slot[b·T + t]: the row of position t in the previous step
@@ -126,17 +128,20 @@ def ttt_unroll(
         if idx is None:  # no target at this step or later
             steps.append(_empty_terms(b, t, ids.device))
             continue
+        # Step 0 makes keys on every real token; its outputs, like every later step's, are idx.
+        inputs = real if k == 0 else idx
 
-        def attend(q, key, value, idx=idx):  # this step's keys join the ones of the earlier steps
+        def attend(q, key, value, idx=idx, inputs=inputs):  # this step's keys join the earlier ones
             keys.append(key)
             values.append(value)
-            key_rows.append(idx)
-            return attention(q, keys, values, key_rows)
+            key_rows.append(inputs)
+            return attention(q, idx, keys, values, key_rows)
 
-        step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[idx][None]
-        step_pos = (pos + k).flatten()[idx][None]
+        step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[inputs][None]
+        step_pos = (pos + k).flatten()[inputs][None]
         if k == 0:
-            hidden, logits = draft(step_ids, step_pos, attend, aux_hidden=aux.flatten(0, 1)[idx][None])
+            queries = torch.searchsorted(real, idx)
+            hidden, logits = draft(step_ids, step_pos, attend, aux_hidden=aux.flatten(0, 1)[real][None], queries=queries)
         else:
             hidden, logits = draft(step_ids, step_pos, attend, hidden=hidden[:, slot[idx]])
         slot = torch.full((b * t,), -1, dtype=torch.long, device=ids.device)
@@ -178,19 +183,18 @@ def _valid_masks(attn, lm, seq, ttt_length: int) -> list[torch.Tensor]:
     return out
 
 
-def _unroll_rows(attn, valid) -> list[torch.Tensor | None]:
-    """Flattened positions each step computes, ascending; None where nothing is left to learn.
+def _unroll_rows(valid) -> list[torch.Tensor | None]:
+    """Flattened positions whose step-k output is computed, ascending; None where nothing is left.
 
-    Step k ≥ 1 needs position t iff some step j ≥ k has a target there (its hidden is carried
-    along the same position), so each step's rows are a subset of the previous step's. Step 0
-    computes every real token: they are all keys of their sample's later positions.
+    Step k needs position t iff some step j ≥ k has a target there (its hidden is carried along
+    the same position), so each step's rows are a subset of the previous step's. (Step 0 also
+    makes keys on every real token: they are the keys of their sample's later positions.)
     """
     needed = torch.zeros_like(valid[0])
     rows: list[torch.Tensor | None] = [None] * len(valid)
-    for k in range(len(valid) - 1, 0, -1):
+    for k in range(len(valid) - 1, -1, -1):
         needed = needed | valid[k]
         rows[k] = torch.nonzero(needed.flatten()).flatten()
-    rows[0] = torch.nonzero(attn.flatten()).flatten()
     # Trailing steps without targets are skipped; step 0 always runs (the loss keeps its graph).
     for k in range(len(valid) - 1, 0, -1):
         if rows[k].numel():

@@ -47,13 +47,13 @@ def attention_inputs(seed, B=2, T=9, nh=4, nkv=2, hd=8, steps=4):
     return queries, keys, values, rows, attention, seq
 
 
-def dense_ttt_attention(q, keys, values, rows, attention, seq):
+def dense_ttt_attention(q, q_rows, keys, values, rows, attention, seq):
     """Straight from the rule: one softmax over the visible step-0 keys and same-position keys."""
     T = attention.shape[1]
     k = len(rows) - 1
     nh, nkv, hd = q.shape[1], keys[0].shape[1], q.shape[3]
     out = torch.zeros_like(q)
-    for i, flat in enumerate(rows[-1].tolist()):
+    for i, flat in enumerate(q_rows.tolist()):
         b, t = divmod(flat, T)
         cand = [j for j, s in enumerate(rows[0].tolist()) if s // T == b and s % T <= t and seq[b, s % T] == seq[b, t]]
         same = [rows[j].tolist().index(flat) for j in range(1, k + 1)]
@@ -70,7 +70,17 @@ def dense_ttt_attention(q, keys, values, rows, attention, seq):
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_each_backend_equals_the_dense_rule_on_cpu(k, backend):
     queries, keys, values, rows, attention, seq = attention_inputs(seed=k)
-    args = (queries[k], keys[: k + 1], values[: k + 1], rows[: k + 1])
+    args = (queries[k], rows[k], keys[: k + 1], values[: k + 1], rows[: k + 1])
+    with torch.no_grad():
+        out = TTTAttention(attention, seq, backend)(*args)
+    assert (out - dense_ttt_attention(*args, attention, seq)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_step_zero_queries_may_be_a_subset_of_its_keys(backend):
+    queries, keys, values, rows, attention, seq = attention_inputs(seed=5)
+    subset = torch.tensor([0, 2, 3, 7, 10])
+    args = (queries[0][:, :, subset], rows[0][subset], keys[:1], values[:1], rows[:1])
     with torch.no_grad():
         out = TTTAttention(attention, seq, backend)(*args)
     assert (out - dense_ttt_attention(*args, attention, seq)).abs().max() < 1e-5
