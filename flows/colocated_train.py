@@ -1,0 +1,87 @@
+"""The `colocated-train` flow: conversations → prompt cache → vocab map → plan → train → validate.
+
+    python -m flows.colocated_train --config examples/tiny-cpu.yaml [section.key=value ...]
+    prefect deployment run colocated-train/default --watch            # docs/deploy.md
+
+One parameter, the run config model (`specforge_core.config.RunConfig`), which the Prefect UI
+renders as a form. Run locally (ephemeral API) or through a deployment; resume is driven by the
+flow run's state: `prefect flow-run retry <id>` on a failed or crashed run shows the data stages as
+Cached and restarts train, which resumes from this run's latest checkpoint after checking the
+plan. Scheduled retraining (the nightly deployment) rebuilds only the stages whose content keys
+changed, warm-starts from the promoted draft when `draft.init_from` names it, and promotes the
+new draft only if its measured acceptance length beats the promoted one by
+`validation.promote_margin`.
+
+No `from __future__ import annotations` here: `flow.serve` validates the pydantic parameter from
+the pickled flow and fails on postponed annotations (prefect-facts, gotcha 7).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from prefect import flow
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+
+from specforge_core.config import RunConfig, load_config
+from specforge_core.errors import SpecForgeError
+from tasks.caching import run_cached
+from tasks.prepare import build_vocab_map, plan_key, prepare_prompt_cache, record_plan, stage_keys
+from tasks.promote import promote
+from tasks.train import run_dir_for, train
+from tasks.validate import validate
+
+
+def _warm_start(config: RunConfig) -> RunConfig:
+    """A warm start from the promoted draft before any draft was promoted is a cold start."""
+    init, promoted = config.draft.init_from, config.validation.promoted_dir
+    if init and promoted and Path(init).resolve() == Path(promoted).resolve() and not Path(init).is_dir():
+        get_run_logger().info("no promoted draft at %s yet: training from scratch", init)
+        config = config.model_copy(deep=True)
+        config.draft.init_from = None
+    return config
+
+
+@flow(name="colocated-train", description="Online, colocated EAGLE3 draft training: cached data stages, "
+      "torchrun training, validation by measured acceptance length.")
+def colocated_train(config: RunConfig) -> dict:
+    """Train an EAGLE3 draft for ``config.model.target`` on ``config.data``; returns where the draft,
+    the report and the acceptance lengths are."""
+    config = _warm_start(config)
+    run_dir = run_dir_for(config.output.dir, flow_run.name, flow_run.id)
+
+    keys = stage_keys(config)
+    cache = run_cached(prepare_prompt_cache, config, key=keys.prompt_cache)
+    vocab = run_cached(build_vocab_map, config, cache, keys.target_vocab_size, key=keys.vocab_map)
+    plan = run_cached(record_plan, config, cache, key=plan_key(config, cache))
+    trained = run_cached(train, config, cache, vocab, plan, run_dir=str(run_dir), key=f"{flow_run.id}-{plan.key}")
+    if not config.validation.enabled:
+        return {"run_dir": str(run_dir), "checkpoint": trained.path}
+    report = validate(config, vocab, trained, run_dir=str(run_dir))
+    if config.validation.promoted_dir:
+        report["promotion"] = promote(config, report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flows.colocated_train", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="YAML run config (examples/*.yaml)")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=10")
+    args = ap.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except SpecForgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    state = colocated_train(config, return_state=True)
+    if not state.is_completed():
+        print(f"colocated-train ended {state.name}: {state.message}", file=sys.stderr)
+        return 1
+    for k, v in state.result().items():
+        print(f"{k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
