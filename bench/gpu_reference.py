@@ -155,7 +155,7 @@ def peer_draft_step_tokens_per_s(shape: str, batch: int, seq: int, ttt_length: i
     H = tcfg.hidden_size
     ids = torch.randint(tcfg.vocab_size, (batch, seq), device="cuda")
     mask = torch.ones(batch, seq, dtype=torch.long, device="cuda")
-    loss_mask = torch.ones(batch, seq, device="cuda")
+    loss_mask = torch.ones(batch, seq, 1, device="cuda")  # SpecForge 0.2.0 takes it as [B, T, 1]
     aux = torch.randn(batch, seq, 3 * H, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(batch, seq, tcfg.vocab_size, device="cuda", dtype=torch.bfloat16)
 

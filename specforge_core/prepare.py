@@ -14,35 +14,30 @@ import json
 import sys
 
 from specforge_core.config import load_config
-from specforge_core.errors import ModelError, SpecForgeError
+from specforge_core.errors import SpecForgeError
 
 
 def target_vocab_size(cfg, tokenizer) -> int:
     """V: rows of the target's embedding (its config's vocab_size), else the tokenizer's size."""
-    from transformers import AutoConfig
+    from specforge_core.preflight import load_target_config
 
-    if not cfg.model.target:
-        return len(tokenizer)
-    kwargs = {"trust_remote_code": cfg.model.trust_remote_code}
-    if cfg.model.gguf_file:
-        kwargs["gguf_file"] = cfg.model.gguf_file
-    try:
-        tc = AutoConfig.from_pretrained(cfg.model.target, **kwargs).get_text_config()
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot read the target config: {e}", where="model.target",
-                         fix="point model.target at a Hugging Face model directory") from None
-    return int(tc.vocab_size)
+    return int(load_target_config(cfg).vocab_size) if cfg.model.target else len(tokenizer)
 
 
 def prepare(cfg) -> dict:
-    """ensure_prompt_cache + ensure_vocab_map for ``cfg``; returns the summary printed by main."""
+    """ensure_prompt_cache + ensure_vocab_map for ``cfg``; returns the summary printed by main.
+
+    :func:`~specforge_core.preflight.check_data_inputs` runs first (tokenizer vs target vocab, draft
+    vocab size, a given draft.vocab_map_path), so a refused run writes nothing.
+    """
     from specforge_core.data.prompt_cache import ensure_prompt_cache
-    from specforge_core.data.tokenize import load_tokenizer
+    from specforge_core.preflight import check_data_inputs
     from specforge_core.vocab import ensure_vocab_map
 
-    tokenizer = load_tokenizer(cfg)
+    checked = check_data_inputs(cfg)
+    tokenizer, V = checked.tokenizer, checked.vocab_size
     cache = ensure_prompt_cache(cfg, tokenizer)
-    vm = ensure_vocab_map(cfg, cache, target_vocab_size(cfg, tokenizer))
+    vm = ensure_vocab_map(cfg, cache, V)
     return {
         "prompt_cache": {
             "key": cache.key, "path": str(cache.path), "built": cache.built,

@@ -18,6 +18,7 @@ the one this config and data give.
 
 import argparse
 import contextlib
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -92,6 +93,10 @@ def build(cfg, d, plan_path: str | None):
         draft = Eagle3DraftModel(draft_config)
     draft.load_embedding(backend.embed_weight)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
+    if t.compile and d.device.type == "cuda":
+        from specforge_core.compile import compile_pointwise
+
+        compile_pointwise(draft)
 
     plan = load_plan(cfg, len(cache.train), plan_path)
     if d.is_main and plan_path is None and latest_checkpoint(cfg.output.dir) is None:
@@ -119,7 +124,9 @@ def build(cfg, d, plan_path: str | None):
         draft=draft,
         objective=objective,
         derive=partial(summarize_metrics, decay=t.ploss_decay),
-        open_stream=lambda start: RolloutStream.from_plan(plan, d.rank, cache.train, backend, start_sample=start),
+        open_stream=lambda start: RolloutStream.from_plan(
+            plan, d.rank, cache.train, backend, start_sample=start, token_budget=t.token_budget
+        ),
         contract=contract,
         write_draft_files=partial(save_draft_checkpoint_files, draft),
     )
@@ -136,6 +143,8 @@ def run_lock(cfg, d):
     if d.is_main:
         try:
             lock = RunLock(cfg.output.dir, wait_s=None if cfg.output.on_busy == "fail" else float("inf")).acquire()
+            if lock.took_over is not None:
+                print(f"took over the stale lock of {lock.took_over.describe()}", flush=True)
         except SpecForgeError as e:
             error = e
     error = broadcast_object(d, error)
@@ -158,8 +167,21 @@ def check_world(cfg, d) -> None:
         )
 
 
+def prefer_passive_omp_wait() -> None:
+    """Let idle OpenMP threads sleep instead of spin (``OMP_WAIT_POLICY=PASSIVE``) unless the user
+    chose a policy. Must run before torch is imported: the OpenMP runtime reads it once, at load.
+
+    On a CPU shared with other jobs a spinning thread burns the core its peer needs, and every op
+    waits for the peer that was descheduled: one rank with 2 threads on 2 busy cores ran its steps
+    2.6x slower with the default policy (docs/performance.md, "CPU"). Sleeping costs a wake-up per
+    parallel region, negligible next to the matmuls.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    prefer_passive_omp_wait()
     # Before anything touches CUDA: the allocator reads its configuration once, at initialisation.
     from specforge_core.runtime.distributed import close_distributed, enable_expandable_segments, init_distributed
 
@@ -174,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_world(cfg, d)
+        from specforge_core.preflight import check_run_inputs
+
+        check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
         with run_lock(cfg, d):
             trainer, backend = build(cfg, d, args.plan)
             try:

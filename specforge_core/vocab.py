@@ -11,11 +11,16 @@ target id. Then ``d2t[i] = target_id(i) - i`` (int64, ``[Vd]``) and ``t2d[j] = j
 (bool, ``[V]``); ``Vd == V`` gives the identity (d2t = 0, t2d all True) without a corpus walk.
 
 Files: ``<data.cache_dir>/vocab/<key>.pt`` = ``torch.save({"d2t", "t2d"})`` and ``<key>.json``
-(coverage of the top-Vd and counts). The key is sha256 over the prompt cache key, V and Vd, so a
-hit needs only the cache's key: it never walks the corpus.
+(coverage of the top-Vd, counts, and the size and sha256 of the ``.pt``). The key is sha256 over
+the prompt cache key, V and Vd, so a hit needs only the cache's key: it never walks the corpus.
+The sidecar is written first and the ``.pt`` last, each atomically (temp file, fsync, rename), so
+the ``.pt`` existing means the map is complete; temp files of a killed build are removed by the
+next build of that key. Loading checks the ``.pt`` against the sidecar's sha256 when there is one
+(always, for maps built here) and refuses a changed or torn file.
 """
 
 import hashlib
+import io
 import json
 import os
 import tempfile
@@ -27,7 +32,7 @@ import torch
 
 from specforge_core.errors import DataError, ModelError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the sidecar carries the .pt's sha256
 _BATCH_ROWS = 1024
 
 
@@ -77,7 +82,8 @@ def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch
     return torch.from_numpy(used - np.arange(draft_vocab_size)).long(), torch.from_numpy(t2d)
 
 
-def _check_sizes(V: int, Vd: int) -> None:
+def check_vocab_sizes(V: int, Vd: int) -> None:
+    """Raise :class:`ModelError` unless 0 < Vd ≤ V."""
     if not 0 < Vd <= V:
         raise ModelError(f"draft vocab size {Vd} must be in [1, target vocab size {V}]",
                          where="draft.draft_vocab_size", fix=f"set draft.draft_vocab_size to at most {V}")
@@ -92,24 +98,34 @@ def ensure_vocab_map(cfg, cache, target_vocab_size: int) -> VocabMap:
     from filelock import FileLock
 
     V, Vd = target_vocab_size, cfg.draft.draft_vocab_size
-    _check_sizes(V, Vd)
+    check_vocab_sizes(V, Vd)
     if cfg.draft.vocab_map_path:
         return load_vocab_map(cfg.draft.vocab_map_path, V, Vd)
     key = vocab_map_key(cache.key, V, Vd)
     root = Path(cfg.data.cache_dir) / "vocab"
     path = root / f"{key}.pt"
     if path.exists():
-        return load_vocab_map(path, V, Vd)
+        return _load_built(path, V, Vd)
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{key}.lock")):
         if not path.exists():
+            for tmp in root.glob(f".tmp-{key}.*"):  # left by a killed build; we hold the key's lock
+                tmp.unlink(missing_ok=True)
             _build(cache, key, path, V, Vd)
             built = True
         else:
             built = False
-    vm = load_vocab_map(path, V, Vd)
+    vm = _load_built(path, V, Vd)
     vm.built = built
     return vm
+
+
+def _load_built(path: Path, V: int, Vd: int) -> VocabMap:
+    """A map built by :func:`ensure_vocab_map`: its sidecar, and so its checksum, must be there."""
+    if not path.with_suffix(".json").exists():
+        raise DataError("the vocab map's sidecar (.json with its checksum) is missing", where=str(path),
+                        fix=f"delete {path} to rebuild it")
+    return load_vocab_map(path, V, Vd)
 
 
 def _build(cache, key: str, path: Path, V: int, Vd: int) -> None:
@@ -121,21 +137,28 @@ def _build(cache, key: str, path: Path, V: int, Vd: int) -> None:
         d2t, t2d = select_draft_vocab(counts, Vd)
         total = int(counts.sum())
         coverage = float(counts[t2d.numpy()].sum() / total) if total else 0.0
+    buf = io.BytesIO()
+    torch.save({"d2t": d2t, "t2d": t2d}, buf)
+    data = buf.getvalue()
     sidecar = {
         "key": key, "schema": SCHEMA_VERSION, "prompt_cache_key": cache.key,
         "target_vocab_size": V, "draft_vocab_size": Vd, "coverage": coverage,
         "supervised_tokens": None if counts is None else int(counts.sum()),
         "distinct_tokens": None if counts is None else int((counts > 0).sum()),
+        "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
     }
-    _atomic(path.with_suffix(".json"), lambda f: f.write(json.dumps(sidecar, indent=1).encode()))
-    _atomic(path, lambda f: torch.save({"d2t": d2t, "t2d": t2d}, f))  # written last: marks completion
+    _atomic(path.with_suffix(".json"), json.dumps(sidecar, indent=1).encode())
+    _atomic(path, data)  # written last: marks completion
 
 
-def _atomic(path: Path, write) -> None:
+def _atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared by all ranks/users
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -149,9 +172,16 @@ def load_vocab_map(path: str | Path, target_vocab_size: int, draft_vocab_size: i
     V, Vd = target_vocab_size, draft_vocab_size
     fix = "delete the file to rebuild it, or point draft.vocab_map_path at a map for this target and Vd"
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
+        raw = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
         raise DataError("vocab map file not found", where=str(path), fix="check draft.vocab_map_path") from None
+    meta = _read_sidecar(path, fix)
+    if "sha256" in meta and hashlib.sha256(raw).hexdigest() != meta["sha256"]:
+        raise DataError(f"the vocab map does not match the checksum in {path.with_suffix('.json').name} "
+                        f"({len(raw)} bytes, {meta.get('bytes')} recorded): corrupt or changed",
+                        where=str(path), fix=fix)
+    try:
+        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torn or foreign files fail in many ways
         raise DataError(f"cannot read the vocab map: {e}", where=str(path), fix=fix) from None
     if not isinstance(data, dict) or not {"d2t", "t2d"} <= set(data):
@@ -166,7 +196,19 @@ def load_vocab_map(path: str | Path, target_vocab_size: int, draft_vocab_size: i
         problems.append("nonzero(t2d) != d2t + arange(Vd): the two halves disagree")
     if problems:
         raise ModelError("vocab map does not fit: " + "; ".join(problems), where=str(path), fix=fix)
-    sidecar = path.with_suffix(".json")
-    meta = json.loads(sidecar.read_text()) if sidecar.exists() else {}
-    key = meta.get("key") or hashlib.sha256(path.read_bytes()).hexdigest()
+    key = meta.get("key") or hashlib.sha256(raw).hexdigest()
     return VocabMap(key=key, path=path, d2t=d2t, t2d=t2d, coverage=meta.get("coverage"))
+
+
+def _read_sidecar(path: Path, fix: str) -> dict:
+    """The ``.json`` beside a vocab map ({} when there is none, e.g. a map from elsewhere)."""
+    sidecar = path.with_suffix(".json")
+    try:
+        meta = json.loads(sidecar.read_text())
+    except FileNotFoundError:
+        return {}
+    except (ValueError, OSError) as e:
+        raise DataError(f"the vocab map's sidecar is unreadable ({e})", where=str(sidecar), fix=fix) from None
+    if not isinstance(meta, dict):
+        raise DataError("the vocab map's sidecar is not a JSON object", where=str(sidecar), fix=fix)
+    return meta

@@ -16,9 +16,11 @@ local row):
 | ``loss_mask`` | ``[B,T]`` long | 1 = supervised (assistant) token |
 | ``aux_hidden`` | ``[B,T,3·Ht]`` target dtype | capture layers' outputs, concatenated low→high |
 | ``last_hidden`` | ``[B,T,Ht]`` target dtype | post-final-norm target hidden (the teacher's input) |
-| ``position_ids``, ``seq_ids`` | ``[B,T]`` long or None | set only for packed rows (not produced yet) |
+| ``position_ids``, ``seq_ids`` | ``[B,T]`` long or None | packed rows only: position within the sample, sample index (-1 = pad) |
 
-Hidden states at padded positions are zero. Tensors are ordinary (not inference-mode) tensors,
+With ``request.token_budget`` set, ``B`` counts packed rows, each holding several of this rank's
+samples back to back (``capture/packing.py``); otherwise one sample per row. Hidden states at
+padded positions are zero. Tensors are ordinary (not inference-mode) tensors,
 so the draft's autograd can save them.
 """
 
@@ -37,13 +39,21 @@ class TargetRequest:
     loss_mask: tuple[tuple[int, ...], ...]
     local: slice
     task_ids: tuple[str, ...] = ()
+    token_budget: int | None = None  # pack the local samples into rows of at most this many tokens
 
     @classmethod
     def from_rows(
         cls, input_ids: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]], local: slice,
-        task_ids: Sequence[str] = (),
+        task_ids: Sequence[str] = (), token_budget: int | None = None,
     ) -> "TargetRequest":
-        return cls(tuple(tuple(r) for r in input_ids), tuple(tuple(r) for r in loss_mask), local, tuple(task_ids))
+        return cls(
+            tuple(tuple(r) for r in input_ids), tuple(tuple(r) for r in loss_mask), local, tuple(task_ids), token_budget
+        )
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the batch: one per task id (packed rows hold several); rows without task ids."""
+        return len(self.task_ids) if self.task_ids else self.batch_size
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +80,13 @@ class CapturedBatch:
 
     @property
     def batch_size(self) -> int:
+        """Rows (packed rows count once however many samples they hold: see ``num_samples``)."""
         return self.input_ids.shape[0]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the batch: one per task id (packed rows hold several); rows without task ids."""
+        return len(self.task_ids) if self.task_ids else self.batch_size
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,12 @@ never the LM head), under ``torch.inference_mode()`` with ``use_cache=False``, s
 logits are ever made; the teacher is later computed from ``last_hidden`` and
 :attr:`lm_head_weight` (the input embedding when the target ties them).
 
+Two forwards. Unpacked requests (``token_budget`` None) run as right-padded rows with a padding
+mask (transformers' ``sdpa``). Packed requests run as ONE flat row of every sample's tokens with
+positions restarting per sample and per-sample causal attention (``capture/varlen.py``: FlashAttention
+varlen on GPU), so the target computes no padding and no cross-sample attention; the flat outputs
+are then laid out in this rank's packed rows (``capture/packing.py``).
+
 Target TP on this backend: transformers has no tensor parallelism that works on CPU/gloo, so with
 ``training.tp_size > 1`` every TP peer holds the whole target, runs the same TP-wide forward and
 keeps its own rows. That is correct (the peers agree by construction) but costs ``tp_size`` times
@@ -20,8 +26,11 @@ from functools import partial
 
 import torch
 
+from specforge_core.capture import varlen
 from specforge_core.capture.base import CapturedBatch, TargetRequest, attention_mask_for, local_inputs, pad_right
+from specforge_core.capture.packing import layout_for
 from specforge_core.capture.target import resolve_capture_layers, resolve_dtype, text_config, validate_colocated
+from specforge_core.compile import compile_pointwise
 from specforge_core.errors import ConfigError, ModelError
 
 
@@ -30,7 +39,7 @@ class HFCaptureBackend:
 
     name = "hf"
 
-    def __init__(self, model, layer_ids: tuple[int, int, int]):
+    def __init__(self, model, layer_ids: tuple[int, int, int], *, compile: bool = False):
         model.eval().requires_grad_(False)
         self.model = model
         self.target_config = model.config
@@ -46,6 +55,9 @@ class HFCaptureBackend:
                 where="model.target",
                 fix="use a decoder-only causal LM (Llama, Qwen, Mistral, ...) or the sglang backend",
             )
+        varlen.install(model)
+        if compile and self.device.type == "cuda":
+            compile_pointwise(self._decoder)
         self._grabbed: dict[int, torch.Tensor] = {}
         self._hooks = [
             layers[layer].register_forward_hook(partial(self._grab, slot))
@@ -70,7 +82,7 @@ class HFCaptureBackend:
         if device.type == "cuda":
             load["device_map"] = str(device)
         model = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=dtype, **load)
-        return cls(model.to(device), layer_ids)
+        return cls(model.to(device), layer_ids, compile=cfg.training.compile)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -90,6 +102,8 @@ class HFCaptureBackend:
 
     def capture(self, request: TargetRequest) -> CapturedBatch:
         """Run the decoder over the whole TP-wide request; return copies of this rank's rows only."""
+        if request.token_budget is not None:
+            return self._capture_packed(request)
         lengths = [len(r) for r in request.input_ids]
         width = max(lengths)
         ids = pad_right(request.input_ids, self.device, width)
@@ -119,7 +133,28 @@ class HFCaptureBackend:
             task_ids=request.task_ids[rows],
         )
 
+    def _capture_packed(self, request: TargetRequest) -> CapturedBatch:
+        """The whole request as one flat row, then this rank's samples gathered into packed rows."""
+        lengths = [len(r) for r in request.input_ids]
+        flat_ids = torch.as_tensor([t for row in request.input_ids for t in row], dtype=torch.long)
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        layout = layout_for(request)
+        first = sum(lengths[: request.local.start or 0])
+        local = slice(first, first + sum(request.local_lengths))
+        try:
+            with torch.inference_mode():
+                last = self._decoder(
+                    input_ids=flat_ids.to(self.device)[None], position_ids=positions.to(self.device)[None],
+                    use_cache=False, **varlen.varlen_kwargs(lengths, self.device),
+                ).last_hidden_state[0, local]
+                aux = [self._grabbed[slot][0, local] for slot in range(len(self.layer_ids))]
+            # The gathers below run outside inference mode: they make the batch's own ordinary tensors.
+            return layout.captured_batch(aux, last, request)
+        finally:
+            self._grabbed.clear()
+
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+

@@ -13,7 +13,8 @@ fake (``fake_engine.py``) both honour:
 - it returns a :class:`PackedCapture` of the rows in ``local`` only, packed without padding
   (``aux [Σℓ, 3·Ht]``, ``last [Σℓ, Ht]``, ``lengths``), in the row order of ``local``;
 - the tensors may be views into the engine's TP-wide output buffer: this backend copies them
-  into a padded :class:`CapturedBatch`, so that buffer is released when ``capture`` returns.
+  into a padded (or, with ``request.token_budget``, packed) :class:`CapturedBatch`, so that buffer
+  is released when ``capture`` returns.
 
 The head weights come from the checkpoint (``target.load_target_head``), not from the engine,
 whose LM head is sharded across the TP group.
@@ -25,7 +26,8 @@ from typing import Protocol
 
 import torch
 
-from specforge_core.capture.base import CapturedBatch, TargetRequest, local_inputs
+from specforge_core.capture.base import CapturedBatch, TargetRequest
+from specforge_core.capture.packing import layout_for
 from specforge_core.capture.target import text_config
 from specforge_core.errors import CaptureError
 
@@ -80,7 +82,7 @@ class SGLangCaptureBackend:
         return self._lm_head.shape[0]
 
     def capture(self, request: TargetRequest) -> CapturedBatch:
-        """One TP-wide engine capture; unpack this rank's packed rows into padded copies."""
+        """One TP-wide engine capture; lay this rank's flat rows out as padded (or packed) copies."""
         packed = self.engine.capture(request.input_ids, request.local)
         want = request.local_lengths
         width = len(self.layer_ids) * self.hidden_size
@@ -96,25 +98,10 @@ class SGLangCaptureBackend:
                 where=f"sglang engine, tp_rank {self.engine.tp_rank}",
                 fix="check the engine log for dropped or truncated requests (context_length, max_total_tokens)",
             )
-        input_ids, attention_mask, loss_mask = local_inputs(request, self.device)
-        return CapturedBatch(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            loss_mask=loss_mask,
-            aux_hidden=_unpack(packed.aux, want),
-            last_hidden=_unpack(packed.last, want),
-            task_ids=request.task_ids[request.local],
-        )
+        # Packed or not, the layout gathers the flat rows into fresh tensors, so the engine's
+        # TP-wide buffer is released when this returns.
+        return layout_for(request).captured_batch([packed.aux], packed.last, request)
 
     def close(self) -> None:
         self.engine.shutdown()
 
-
-def _unpack(packed: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """``[Σℓ, H]`` → freshly allocated ``[B, max ℓ, H]``, zero-padded on the right."""
-    out = packed.new_zeros(len(lengths), max(lengths), packed.shape[-1])
-    start = 0
-    for row, n in enumerate(lengths):
-        out[row, :n] = packed[start : start + n]
-        start += n
-    return out

@@ -67,7 +67,8 @@ def validate_colocated(cfg, target_config) -> None:
       RoPE);
     - the SGLang engine's ``capture.sglang.context_length`` may not exceed that context;
     - SGLang target TP: ``training.tp_size`` must divide the attention heads;
-    - the teacher is ``last_hidden @ lm_head^T``: targets that soft-cap or scale logits are refused.
+    - the teacher is ``last_hidden @ lm_head^T``: targets that soft-cap or scale logits are refused;
+    - packing: a sample of ``data.max_length`` tokens must fit one row of ``training.token_budget``.
     """
     text = text_config(target_config)
     for name, neutral in (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0)):
@@ -87,6 +88,15 @@ def validate_colocated(cfg, target_config) -> None:
             f"= {need} positions exceed the target's context of {context} (max_position_embeddings)",
             where="data.max_length",
             fix=f"set data.max_length ≤ {context - cfg.training.ttt_length}",
+        )
+    budget = cfg.training.token_budget
+    if budget is not None and budget < cfg.data.max_length:
+        raise ConfigError(
+            f"training.token_budget={budget} is shorter than data.max_length={cfg.data.max_length}: "
+            "a sample that long would fit no packed row",
+            where="training.token_budget",
+            fix=f"set training.token_budget ≥ {cfg.data.max_length} (training.batch_size × data.max_length "
+            "packs every micro-step into one row)",
         )
     if cfg.capture.backend != "sglang":
         return

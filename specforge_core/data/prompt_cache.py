@@ -7,15 +7,19 @@ Layout under ``<data.cache_dir>/prompts/``::
     <key>/train.arrow   input_ids (list<int32>), loss_mask (list<int8>, 1 = supervised), length (int32)
     <key>/eval.arrow    the same columns + prompt_ids (list<int32>: the conversation up to its first
                         assistant turn, rendered with the generation prompt)
-    <key>/meta.json     rows in/out, drops by reason, token counts, length histogram, build id
+    <key>/meta.json     rows in/out, drops by reason, token counts, length histogram, build id,
+                        and ``files``: the size and sha256 of each Arrow file
     <key>.lock          the file lock that makes one process build while the others wait
 
 The key (:func:`prompt_cache_key`) is a sha256 over every source file's bytes, the tokenizer
 (vocabulary, merges, added tokens), the chat template, and every option that changes the rows.
 It is also the Prefect cache key of the prepare task. Builds write into a temporary directory
-beside the final one and rename it into place, so a cache directory is always complete; on any
-error the temporary directory is removed. Processes started without Prefect (torchrun ranks)
-coordinate through the lock file only: no collective is entered while a cache is being built.
+beside the final one, fsync it and rename it into place, so a cache directory is always complete;
+on any error the temporary directory is removed, and one left by a killed build is removed by the
+next build of that key (which holds the lock, so no live build owns it). Every open checks each
+Arrow file against the sha256 in meta.json and refuses a changed or torn file (about 0.7 s per GB
+of cache). Processes started without Prefect (torchrun ranks) coordinate through the lock file
+only: no collective is entered while a cache is being built.
 """
 
 import hashlib
@@ -41,7 +45,8 @@ from specforge_core.errors import ConfigError, DataError
 if TYPE_CHECKING:
     import datasets
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: meta.json carries the checksum table
+DATA_FILES = ("train.arrow", "eval.arrow")
 _CHUNK_ROWS = 256
 
 
@@ -114,12 +119,17 @@ def ensure_prompt_cache(cfg, tokenizer) -> PromptCache:
     with FileLock(str(root / f"{key}.lock")):
         if (final / "meta.json").exists():
             return open_prompt_cache(final)
+        _remove_torn(root, key)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{key[:16]}-"))
         try:
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by all ranks/users
             meta = _Build(cfg, tokenizer, key, tmp).run()
+            meta["files"] = {name: _file_sum(tmp / name) for name in DATA_FILES}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            for name in (*DATA_FILES, "meta.json"):
+                _fsync(tmp / name)
             os.rename(tmp, final)
+            _fsync(root)  # the rename itself survives a power cut
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -127,16 +137,89 @@ def ensure_prompt_cache(cfg, tokenizer) -> PromptCache:
 
 
 def open_prompt_cache(path: str | Path, *, built: bool = False) -> PromptCache:
-    """Open a finished cache directory (memory-mapped; reads only meta.json eagerly)."""
+    """Open a finished cache directory (memory-mapped) after checking every file's size and sha256
+    against meta.json. Raises :class:`DataError` naming the file, with the fix (delete the
+    directory to rebuild it), for a missing, unreadable, torn or changed file."""
     from datasets import Dataset
 
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _read_meta(path)
+    for name in DATA_FILES:
+        _verify(path, name, meta["files"].get(name))
     return PromptCache(
         key=meta["key"], path=path, meta=meta, built=built,
         train=Dataset.from_file(str(path / "train.arrow")),
         eval=Dataset.from_file(str(path / "eval.arrow")),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Integrity
+
+
+def _rebuild_fix(path: Path) -> str:
+    return f"delete {path} and run again (python -m specforge_core.prepare --config ...) to rebuild it"
+
+
+def _file_sum(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_meta(path: Path) -> dict:
+    where = str(path / "meta.json")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except FileNotFoundError:
+        raise DataError("not a prompt cache: meta.json is missing", where=where, fix=_rebuild_fix(path)) from None
+    except (ValueError, OSError) as e:
+        raise DataError(f"meta.json is unreadable ({e})", where=where, fix=_rebuild_fix(path)) from None
+    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA_VERSION or not isinstance(meta.get("files"), dict):
+        got = meta.get("schema") if isinstance(meta, dict) else None
+        raise DataError(f"meta.json is not a schema-{SCHEMA_VERSION} prompt cache record (schema {got!r})",
+                        where=where, fix=_rebuild_fix(path))
+    return meta
+
+
+def _verify(path: Path, name: str, want: dict | None) -> None:
+    """Refuse ``path/name`` unless its size and sha256 are the ones recorded at build time."""
+    where = str(path / name)
+    if not isinstance(want, dict):
+        raise DataError(f"meta.json records no checksum for {name}", where=where, fix=_rebuild_fix(path))
+    try:
+        got = _file_sum(path / name)
+    except FileNotFoundError:
+        raise DataError(f"{name} is missing from the prompt cache", where=where, fix=_rebuild_fix(path)) from None
+    if got["bytes"] != want.get("bytes"):
+        problem = f"{name} has {got['bytes']} bytes, but {want.get('bytes')} were written (torn or changed)"
+    elif got["sha256"] != want.get("sha256"):
+        problem = (f"{name} does not match its checksum (sha256 {got['sha256'][:12]}…, recorded "
+                   f"{str(want.get('sha256'))[:12]}…): the file is corrupt or was changed")
+    else:
+        return
+    raise DataError(problem, where=where, fix=_rebuild_fix(path))
+
+
+def _remove_torn(root: Path, key: str) -> None:
+    """Remove what a killed build of ``key`` left behind. Call only while holding the key's lock:
+    then no live process owns a temporary directory of this key, and a final directory without
+    meta.json (which a build never produces) is damage, not a cache."""
+    for tmp in root.glob(f".tmp-{key[:16]}-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    final = root / key
+    if final.exists() and not (final / "meta.json").exists():
+        shutil.rmtree(final, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specforge_core.data.formats import BadRow, Row
-from specforge_core.errors import DataError
+from specforge_core.errors import DataError, ModelError
 
 _SENTINEL = "\ue000probe-assistant-text\ue001"  # private-use code points: no template or data emits them
 
@@ -40,7 +40,16 @@ def load_tokenizer(cfg):
     kwargs = {"trust_remote_code": m.trust_remote_code}
     if m.gguf_file and not m.tokenizer:
         kwargs["gguf_file"] = m.gguf_file
-    tok = AutoTokenizer.from_pretrained(src, **kwargs)
+    try:
+        tok = AutoTokenizer.from_pretrained(src, **kwargs)
+    except (OSError, ValueError) as e:  # transformers reports a bad directory as either
+        field = "model.tokenizer" if m.tokenizer else "model.target"
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        problem = (f"{src} is not a local directory, and could not be loaded as a Hub model id"
+                   if not os.path.isdir(src) else f"cannot load a tokenizer from {src} ({detail})")
+        gguf = " and the model.gguf_file named" if "gguf_file" in kwargs else ""
+        raise ModelError(problem, where=field, fix=f"point {field} at a Hugging Face directory with "
+                         f"tokenizer.json / tokenizer_config.json{gguf}") from None
     if m.chat_template:
         tok.chat_template = m.chat_template
     return tok

@@ -89,9 +89,14 @@ class Eagle3DecoderLayer(nn.Module):
         h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, nh * hd))
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def forward(self, embeds, hidden, cos, sin, attend: Callable) -> torch.Tensor:
-        """The layer with the attention pattern supplied by ``attend(q, k, v) -> [B,nh,T,hd]``."""
+    def forward(self, embeds, hidden, cos, sin, attend: Callable, queries: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer with the attention pattern supplied by ``attend(q, k, v) -> [B,nh,Tq,hd]``.
+
+        ``queries``: index along T of the rows to compute outputs for (default all); keys and
+        values are made for every row."""
         q, k, v = self.project_qkv(embeds, hidden, cos, sin)
+        if queries is not None:
+            q, hidden = q[:, :, queries], hidden[:, queries]
         return self.complete(hidden, attend(q, k, v))
 
 
@@ -168,6 +173,7 @@ class Eagle3DraftModel(nn.Module):
         attend: Callable,
         hidden: torch.Tensor | None = None,
         aux_hidden: torch.Tensor | None = None,
+        queries: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for every row: ``(new pre-norm hidden [B,T,H], logits [B,T,Vd])``.
 
@@ -175,6 +181,8 @@ class Eagle3DraftModel(nn.Module):
         [B,T]`` their RoPE positions, ``attend(q, k, v)`` the attention over this step's q/k/v
         (``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]``, rotated) and whatever keys it keeps. Give
         ``aux_hidden`` (first step: ``project_hidden`` is applied) or the carried ``hidden``.
+        ``queries`` (a long index along T) restricts the outputs to those rows: keys and values
+        are still made for every row, ``q`` and the results have ``Tq = len(queries)`` rows.
         The training objective calls the draft only through this forward, so wrappers that hook
         ``forward`` (FSDP2) see every parameter use.
         """
@@ -182,7 +190,7 @@ class Eagle3DraftModel(nn.Module):
             hidden = self.project_hidden(aux_hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(embeds, position_ids)
-        hidden = self.midlayer(embeds, hidden, cos, sin, attend)
+        hidden = self.midlayer(embeds, hidden, cos, sin, attend, queries)
         return hidden, self.compute_logits(hidden)
 
     def step(

@@ -5,16 +5,23 @@ A query of step k at position t attends to
     so no row is empty), and
   - the keys produced at steps 1..k at the same position t (including its own step),
 with one softmax over all of them. We never build the dense ``[T, T·(k+1)]`` mask of the
-concatenated key sequence: the step-0 block (the same pattern for every step, built once per
-batch) and the k same-position scores are two blocks joined in one softmax.
+concatenated key sequence: the step-0 block gives an output and its log-sum-exp, and the k
+same-position scores are merged with it exactly (softmax over a union = LSE-weighted mix).
+
+The unroll computes each step on *rows*: flattened positions ``b·T + t`` of the ``[B, T]`` batch,
+ascending. Step 0's rows are the real tokens (every one is a key); step k's rows are a subset of
+step k-1's, and the queries of step 0 may be a subset of its keys' rows.
+``TTTAttention(attention_mask, seq_ids, backend)(q, q_rows, keys, values, key_rows)`` takes the
+queries of the current step and the keys/values of steps 0..k on their rows.
 
 Two backends, same numbers:
 
-- ``sdpa`` (CPU and GPU): explicit scores for the step-0 block ``[B, heads, T, T]`` plus the k
-  diagonal scores, one fp32 softmax. Memory grows with T² per step; the reference path.
-- ``flex`` (GPU): ``torch.nn.attention.flex_attention`` (compiled) over the step-0 block with a
-  block mask, returning its log-sum-exp; the diagonal scores are merged with it exactly
-  (``softmax`` over the union = LSE-weighted combination). No T² tensors.
+- ``sdpa`` (CPU and GPU): explicit fp32 scores of each sample's queries against that sample's
+  step-0 keys only (a loop over samples: no padding, no cross-sample blocks), their log-sum-exp,
+  then the merge. Memory grows with the longest sample squared; the reference path.
+- ``flex`` (GPU): the rows are laid out on the padded ``[B, T]`` grid and
+  ``torch.nn.attention.flex_attention`` (compiled) runs over the step-0 block with a block mask,
+  returning its log-sum-exp; then the same merge. No T² tensors.
 
 On CPU, flex runs eagerly and only without gradients (torch has no CPU flex backward); ``auto``
 picks flex on CUDA and sdpa elsewhere.
@@ -63,20 +70,27 @@ def _flex():
 
 
 class TTTAttention:
-    """The attention of one batch's unroll: built once (masks), called once per step.
+    """The attention of one batch's unroll: built once (masks, sample spans), called once per step.
 
     ``attention_mask [B,T]`` (1 = real token) and ``seq_ids [B,T]`` (sample index of each
-    position in a packed row; one value per unpacked row) fix the step-0 pattern.
+    position in a packed row; one value per unpacked row) fix the step-0 pattern. Step 0's rows
+    must be exactly the real tokens ``nonzero(attention_mask.flatten())``.
     """
 
     def __init__(self, attention_mask: torch.Tensor, seq_ids: torch.Tensor, backend: str = "auto"):
         self.backend = resolve_backend(backend, attention_mask.device)
         b, t = attention_mask.shape
+        self.shape = (b, t)
+        real = attention_mask.bool()
+        flat = torch.nonzero(real.flatten()).flatten()
+        self.slot0 = _slots(flat, b * t)
         if self.backend == "sdpa":
-            # [B, 1(kv head), 1(group), T, T] to broadcast over grouped-query scores.
-            self.visible = step_zero_visibility(attention_mask, seq_ids)[:, None, None]
+            # Samples are contiguous runs of the real tokens (same row, same seq id): their spans.
+            row, sample = flat // t, seq_ids.flatten()[flat]
+            starts = torch.ones_like(flat, dtype=torch.bool)
+            starts[1:] = (row[1:] != row[:-1]) | (sample[1:] != sample[:-1])
+            self.spans = torch.nonzero(starts).flatten().tolist() + [flat.numel()]
         else:
-            real = attention_mask.bool()
             seq = seq_ids
 
             def mask_mod(bi, hi, qi, ki):
@@ -84,62 +98,118 @@ class TTTAttention:
 
             self.block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=real.device)
 
-    def __call__(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        """``q [B,nh,T,hd]``; ``keys``/``values``: step 0's rows, then steps 1..k (``[B,nkv,T,hd]``).
-
-        Returns the attention output ``[B,nh,T,hd]`` in ``q``'s dtype.
-        """
+    def __call__(
+        self,
+        q: torch.Tensor,
+        q_rows: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        key_rows: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """``q [1,nh,n,hd]``: the current step's queries on ``q_rows``; ``keys``/``values``: steps
+        0..k, ``[1,nkv,n_j,hd]`` on ``key_rows[j]`` (step 0's: the real tokens; step j's must hold
+        ``q_rows``). Returns the output ``[1,nh,n,hd]`` in ``q``'s dtype."""
+        nh, hd = q.shape[1], q.shape[3]
+        nkv = keys[0].shape[1]
+        scale = hd**-0.5
         if self.backend == "sdpa":
-            return self._sdpa(q, keys, values)
-        return self._flex(q, keys, values)
+            out0, lse0 = self._step_zero_sdpa(q, keys[0], values[0], q_rows, scale)
+        else:
+            out0, lse0 = self._step_zero_flex(q, keys[0], values[0], q_rows, scale)
+        if len(keys) == 1:
+            return out0.to(q.dtype).view(1, nh, -1, hd)
+        # Steps 1..k: the key/value each step made at the query's own position.
+        b, t = self.shape
+        here = [_slots(r, b * t)[q_rows] for r in key_rows[1:]]
+        same_keys = [k[:, :, i] for k, i in zip(keys[1:], here)]
+        same_values = [v[:, :, i] for v, i in zip(values[1:], here)]
+        g = nh // nkv
+        qg = q.view(1, nkv, g, -1, hd)
+        diag = _diagonal_scores(qg, same_keys, scale)  # [1,nkv,g,n,k]
+        out = _merge(out0, lse0, diag, same_values)
+        return out.to(q.dtype).view(1, nh, -1, hd)
 
-    def _sdpa(self, q, keys, values):
-        b, nh, t, hd = q.shape
-        nkv = keys[0].shape[1]
-        scale = hd**-0.5
-        qg = q.view(b, nkv, nh // nkv, t, hd)
-        scores = (qg @ keys[0][:, :, None].transpose(-1, -2)).float() * scale  # [B,nkv,g,T,T]
-        scores = scores.masked_fill(~self.visible, float("-inf"))
-        if len(keys) > 1:
-            scores = torch.cat([scores, _diagonal_scores(qg, keys[1:], scale)], dim=-1)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = probs[..., :t] @ values[0][:, :, None]
-        for j, v in enumerate(values[1:]):
-            out = out + probs[..., t + j, None] * v[:, :, None]
-        return out.view(b, nh, t, hd)
+    def _step_zero_sdpa(self, q, key, value, rows, scale):
+        """Each sample's queries against its own step-0 keys: fp32 output ``[1,nkv,g,n,hd]`` and
+        log-sum-exp ``[1,nkv,g,n]``."""
+        nh, hd = q.shape[1], q.shape[3]
+        nkv = key.shape[1]
+        qg = q.view(nkv, nh // nkv, -1, hd)
+        at = self.slot0[rows]  # each query's index among the step-0 rows (= its key)
+        bounds = torch.searchsorted(at, torch.tensor(self.spans, device=at.device)).tolist()
+        outs, lses = [], []
+        for s, (k0, k1) in enumerate(zip(self.spans[:-1], self.spans[1:])):
+            q0, q1 = bounds[s], bounds[s + 1]
+            if q1 == q0:
+                continue
+            scores = (qg[:, :, q0:q1] @ key[0, :, None, k0:k1].transpose(-1, -2)).float() * scale
+            causal = torch.arange(k0, k1, device=at.device)[None, :] <= at[q0:q1, None]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - lse[..., None]).to(q.dtype)
+            outs.append((probs @ value[0, :, None, k0:k1]).float())
+            lses.append(lse)
+        if not outs:  # no queries (a batch without targets)
+            return q.new_zeros(1, nkv, nh // nkv, 0, hd, dtype=torch.float32), q.new_zeros(1, nkv, nh // nkv, 0)
+        return torch.cat(outs, dim=2)[None], torch.cat(lses, dim=2)[None]
 
-    def _flex(self, q, keys, values):
-        b, nh, t, hd = q.shape
-        nkv = keys[0].shape[1]
-        scale = hd**-0.5
+    def _step_zero_flex(self, q, key, value, rows, scale):
+        """flex attention over the padded grid (rows scattered to ``[B, T]``), gathered back."""
+        b, t = self.shape
+        nh, hd = q.shape[1], q.shape[3]
+        nkv = key.shape[1]
         if q.is_cuda and hd < 16:
             raise ConfigError(
                 f"flex attention kernels need head_dim >= 16, the draft has {hd}",
                 where="draft.attention_backend",
                 fix="use attention_backend: sdpa for this draft",
             )
+        rows0 = torch.nonzero(self.slot0 >= 0).flatten()
         fn = _flex() if q.is_cuda else flex_attention
         out0, aux = fn(
-            q, keys[0], values[0], block_mask=self.block_mask, scale=scale, enable_gqa=nh != nkv,
-            return_aux=AuxRequest(lse=True),
+            _to_grid(q, rows, b, t), _to_grid(key, rows0, b, t), _to_grid(value, rows0, b, t),
+            block_mask=self.block_mask, scale=scale, enable_gqa=nh != nkv, return_aux=AuxRequest(lse=True),
         )
-        if len(keys) == 1:
-            return out0
         g = nh // nkv
-        lse0 = aux.lse.view(b, nkv, g, t).float()
-        diag = _diagonal_scores(q.view(b, nkv, g, t, hd), keys[1:], scale)  # [B,nkv,g,T,k]
-        # softmax over (step-0 keys ∪ diagonal keys) = LSE-weighted mix of the two parts.
-        top = torch.maximum(lse0, diag.amax(dim=-1))
-        w0 = torch.exp(lse0 - top)
-        wd = torch.exp(diag - top[..., None])
-        norm = w0 + wd.sum(dim=-1)
-        out = out0.view(b, nkv, g, t, hd).float() * (w0 / norm)[..., None]
-        for j, v in enumerate(values[1:]):
-            out = out + (wd[..., j] / norm)[..., None] * v[:, :, None].float()
-        return out.to(q.dtype).view(b, nh, t, hd)
+        out0 = _from_grid(out0, rows).view(1, nkv, g, -1, hd).float()
+        lse0 = _from_grid(aux.lse[..., None], rows).view(1, nkv, g, -1).float()
+        return out0, lse0
+
+
+def _slots(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size]`` long: the index of each flattened position among ``rows`` (-1 if absent)."""
+    slot = torch.full((size,), -1, dtype=torch.long, device=rows.device)
+    slot[rows] = torch.arange(rows.numel(), device=rows.device)
+    return slot
+
+
+def _to_grid(x: torch.Tensor, rows: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """``[1, heads, n, hd]`` on ``rows`` → ``[B, heads, T, hd]``, zeros elsewhere."""
+    heads, hd = x.shape[1], x.shape[3]
+    grid = x.new_zeros(b * t, heads, hd).index_copy(0, rows, x[0].transpose(0, 1))
+    return grid.view(b, t, heads, hd).transpose(1, 2)
+
+
+def _from_grid(y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[B, heads, T, hd]`` → ``[1, heads, n, hd]`` at ``rows``."""
+    b, heads, t, hd = y.shape
+    return y.transpose(1, 2).reshape(b * t, heads, hd)[rows].transpose(0, 1)[None]
+
+
+def _merge(out0: torch.Tensor, lse0: torch.Tensor, diag: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
+    """Softmax over (step-0 keys ∪ same-position keys) from the step-0 output ``out0 [...,n,hd]``
+    and log-sum-exp ``lse0 [...,n]`` and the same-position scores ``diag [...,n,k]`` (fp32)."""
+    top = torch.maximum(lse0, diag.amax(dim=-1))
+    w0 = torch.exp(lse0 - top)
+    wd = torch.exp(diag - top[..., None])
+    norm = w0 + wd.sum(dim=-1)
+    out = out0 * (w0 / norm)[..., None]
+    for j, v in enumerate(values):
+        out = out + (wd[..., j] / norm)[..., None] * v[:, :, None].float()
+    return out
 
 
 def _diagonal_scores(qg: torch.Tensor, keys: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """fp32 scores of each query against the same-position key of each later step ``[..., T, k]``."""
+    """fp32 scores of each query against the same-position key of each later step ``[..., n, k]``."""
     qf = qg.float()
     return torch.stack([(qf * k[:, :, None].float()).sum(-1) for k in keys], dim=-1) * scale

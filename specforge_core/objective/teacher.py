@@ -14,11 +14,15 @@ computed like the target computes them (in the head's dtype) and then read in fp
 - ``in_draft``: whether that argmax is a draft-vocab token (``t2d[argmax]``).
 
 Peak extra memory is one ``[token_chunk, vocab_chunk]`` fp32 block plus the ``[N, Vd]`` outputs.
+On CPU the vocabulary chunk is at most ``CPU_VOCAB_CHUNK``: a block that stays in cache makes the
+matmul and the passes over it about 25% faster than 32k-wide blocks (SmolLM2 head, 2 cores).
 """
 
 from dataclasses import dataclass
 
 import torch
+
+CPU_VOCAB_CHUNK = 4096
 
 
 @dataclass
@@ -48,6 +52,8 @@ def compute_teacher(
     ``t2d`` is the bool ``[V]`` draft-vocab mask. Logits are ``(h.to(W.dtype) @ W_chunk^T).float()``;
     softmax, logsumexp and argmax run in fp32. No gradient.
     """
+    if lm_head_weight.device.type == "cpu":
+        vocab_chunk = min(vocab_chunk, CPU_VOCAB_CHUNK)
     lead = last_hidden.shape[:-1]
     hidden = last_hidden.reshape(-1, last_hidden.shape[-1]).to(lm_head_weight.dtype)
     n, vocab = hidden.shape[0], lm_head_weight.shape[0]
@@ -83,7 +89,7 @@ def compute_teacher(
     draft_lse = torch.logsumexp(draft_logits, dim=-1)
     probs = draft_logits.sub_(draft_lse[:, None]).exp_()  # softmax in place: one [N, Vd] buffer
     return Teacher(
-        probs=probs.reshape(*lead, -1),
+        probs=probs.reshape(*lead, draft_ids.numel()),
         log_mass=(draft_lse - lse).reshape(lead),
         argmax=argmax.reshape(lead),
         in_draft=t2d[argmax].reshape(lead),

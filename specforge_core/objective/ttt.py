@@ -104,54 +104,125 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch
 def ttt_unroll(
     draft, batch, lm_head_weight: torch.Tensor, *, ttt_length: int = 7, backend: str = "auto", vocab_chunk: int = 32768
 ) -> list[StepTerms]:
-    """Run the K-step unroll and return the per-position terms of every step (see module doc)."""
+    """Run the K-step unroll and return the per-position terms of every step (see module doc).
+
+    Only what reaches a term is computed: step k on the positions whose chain still has a target
+    at step k or later (step 0 also makes keys and values on every real token: they are the keys
+    of their sample's later positions), the teacher on the indices some step reads. Padding and
+    unsupervised positions cost nothing beyond the step-0 keys; the terms equal those of the full
+    ``[B, T]`` unroll.
+    """
     ids, attn, lm, aux, last, pos, seq = _read_batch(batch, lm_head_weight)
     b, t = ids.shape
-    # Teacher index i is the target distribution at position i+1 (the one-token shift).
-    teacher = compute_teacher(last[:, 1:], lm_head_weight, draft.t2d, vocab_chunk=vocab_chunk)
+    valid = _valid_masks(attn, lm, seq, ttt_length)
+    rows = _unroll_rows(valid)
+    teacher, teacher_slot = _needed_teacher(last, valid, lm_head_weight, draft.t2d, vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
     attention = TTTAttention(attn, seq, backend)
-    keys, values, steps = [], [], []
+    real = torch.nonzero(attn.flatten()).flatten()
+    keys, values, key_rows, steps = [], [], [], []
 
-    def attend(q, key, value):  # this step's keys join the ones of the earlier steps
-        keys.append(key)
-        values.append(value)
-        return attention(q, keys, values)
-
-    hidden = None
+    hidden, slot = None, None  # slot[b·T + t]: the row of position t in the previous step
     for k in range(ttt_length):
-        n = t - 1 - k  # positions t' < n have a target at t'+k+1 inside the row
-        if n <= 0:
+        idx = rows[k]
+        if idx is None:  # no target at this step or later
             steps.append(_empty_terms(b, t, ids.device))
             continue
-        step_ids = F.pad(ids[:, 1 + k :], (0, k + 1))
-        if k == 0:
-            hidden, logits = draft(step_ids, pos, attend, aux_hidden=aux)
-        else:
-            hidden, logits = draft(step_ids, pos + k, attend, hidden=hidden)
-        logits = logits[:, :n]
+        # Step 0 makes keys on every real token; its outputs, like every later step's, are idx.
+        inputs = real if k == 0 else idx
 
-        here = slice(0, n)  # query positions t
-        label = slice(k, k + n)  # loss mask lm[t+k] and teacher index t+k (distribution at t+k+1)
-        ahead = slice(k + 1, k + 1 + n)  # position t+k+1 itself: real and in t's sample
-        valid = lm[:, label] & attn[:, here] & attn[:, ahead] & (seq[:, here] == seq[:, ahead])
-        pm = valid & teacher.in_draft[:, label]
-        loss = soft_cross_entropy(logits, teacher.probs[:, label], pm.float())
+        def attend(q, key, value, idx=idx, inputs=inputs):  # this step's keys join the earlier ones
+            keys.append(key)
+            values.append(value)
+            key_rows.append(inputs)
+            return attention(q, idx, keys, values, key_rows)
+
+        step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[inputs][None]
+        step_pos = (pos + k).flatten()[inputs][None]
+        if k == 0:
+            queries = torch.searchsorted(real, idx)
+            hidden, logits = draft(step_ids, step_pos, attend, aux_hidden=aux.flatten(0, 1)[real][None], queries=queries)
+        else:
+            hidden, logits = draft(step_ids, step_pos, attend, hidden=hidden[:, slot[idx]])
+        slot = torch.full((b * t,), -1, dtype=torch.long, device=ids.device)
+        slot[idx] = torch.arange(idx.numel(), device=ids.device)
+
+        here = torch.nonzero(valid[k].flatten()[idx]).flatten()  # rows of this step with a target
+        flat = idx[here]  # their positions t (flattened b·T + t)
+        label = teacher_slot[flat + k]  # teacher index t+k: the target distribution at t+k+1
+        logits = logits[0, here]
+        probs = teacher.probs[label]
+        pm = teacher.in_draft[label]
+        loss = soft_cross_entropy(logits, probs, pm.float())
         with torch.no_grad():
-            correct = (target_ids[logits.argmax(dim=-1)] == teacher.argmax[:, label]) & valid
-            overlap = _fused(_overlap, logits.device)(logits, teacher.probs[:, label], teacher.log_mass[:, label])
+            correct = target_ids[logits.argmax(dim=-1)] == teacher.argmax[label]
+            overlap = _fused(_overlap, logits.device)(logits, probs, teacher.log_mass[label])
             accept = torch.where(pm, overlap, torch.zeros_like(overlap))
-        pad = (0, t - n)
         steps.append(
             StepTerms(
-                loss=F.pad(loss, pad),
-                correct=F.pad(correct.float(), pad),
-                valid=F.pad(valid.float(), pad),
-                accept=F.pad(accept, pad),
-                in_draft=F.pad(pm.float(), pad),
+                loss=_place(loss, flat, b, t),
+                correct=_place(correct.float(), flat, b, t),
+                valid=valid[k].float(),
+                accept=_place(accept, flat, b, t),
+                in_draft=_place(pm.float(), flat, b, t),
             )
         )
     return steps
+
+
+def _valid_masks(attn, lm, seq, ttt_length: int) -> list[torch.Tensor]:
+    """``valid[k] [B,T]``: position t has a step-k target (module doc): ``lm[t+k]``, tokens t and
+    t+k+1 real and in the same sample."""
+    b, t = attn.shape
+    out = []
+    for k in range(ttt_length):
+        n = max(t - 1 - k, 0)
+        here, label, ahead = slice(0, n), slice(k, k + n), slice(k + 1, k + 1 + n)
+        v = lm[:, label] & attn[:, here] & attn[:, ahead] & (seq[:, here] == seq[:, ahead])
+        out.append(F.pad(v, (0, t - n)))
+    return out
+
+
+def _unroll_rows(valid) -> list[torch.Tensor | None]:
+    """Flattened positions whose step-k output is computed, ascending; None where nothing is left.
+
+    Step k needs position t iff some step j ≥ k has a target there (its hidden is carried along
+    the same position), so each step's rows are a subset of the previous step's. (Step 0 also
+    makes keys on every real token: they are the keys of their sample's later positions.)
+    """
+    needed = torch.zeros_like(valid[0])
+    rows: list[torch.Tensor | None] = [None] * len(valid)
+    for k in range(len(valid) - 1, -1, -1):
+        needed = needed | valid[k]
+        rows[k] = torch.nonzero(needed.flatten()).flatten()
+    # Trailing steps without targets are skipped; step 0 always runs (the loss keeps its graph).
+    for k in range(len(valid) - 1, 0, -1):
+        if rows[k].numel():
+            break
+        rows[k] = None
+    return rows
+
+
+def _needed_teacher(last, valid, lm_head_weight, t2d, vocab_chunk):
+    """The teacher at every index some step reads, and ``slot [B·T]``: its row per flattened index.
+
+    Teacher index i (flattened ``b·T + i``) is the target distribution at position i+1; step k
+    reads it at its targets t = i - k.
+    """
+    b, t = valid[0].shape
+    read = torch.zeros(b * t, dtype=torch.bool, device=last.device)
+    for k, v in enumerate(valid):
+        read[torch.nonzero(v.flatten()).flatten() + k] = True
+    index = torch.nonzero(read).flatten()
+    teacher = compute_teacher(last.flatten(0, 1)[index + 1], lm_head_weight, t2d, vocab_chunk=vocab_chunk)
+    slot = torch.full((b * t,), -1, dtype=torch.long, device=last.device)
+    slot[index] = torch.arange(index.numel(), device=last.device)
+    return teacher, slot
+
+
+def _place(values: torch.Tensor, flat: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """``[B, T]`` zeros with ``values`` at the flattened positions ``flat``."""
+    return values.new_zeros(b * t).index_copy(0, flat, values).view(b, t)
 
 
 def eagle3_loss(

@@ -250,7 +250,7 @@ def save_checkpoint(
     tmp = root / f".{final.name}.tmp"
     if d.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step-*.tmp"):  # leftovers of a crashed save
+        for stale in [*root.glob(".step-*.tmp"), *root.glob(".step-*.deleting")]:  # a crashed save/delete
             shutil.rmtree(stale)
         tmp.mkdir()
     barrier(d)
@@ -299,7 +299,7 @@ def save_checkpoint(
         _write_text(tmp / COMPLETE, json.dumps({"step": step, "files": dict(sorted(sums.items()))}, indent=2))
         _fsync_dir(tmp)
         if final.exists():  # a re-save of the same step after resuming from an earlier one
-            shutil.rmtree(final)
+            _remove_dir(final)
         os.rename(tmp, final)
         _fsync_dir(root)
         pointer = root / f".{LATEST}.tmp"
@@ -307,9 +307,21 @@ def save_checkpoint(
         os.replace(pointer, root / LATEST)
         _fsync_dir(root)
         for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old)
+            _remove_dir(old)
     barrier(d)
     return final
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a checkpoint so that a crash midway never leaves a half-deleted one that looks complete.
+
+    The rename to a dot-name is atomic; the leftover (if any) is swept by the next save.
+    """
+    aside = path.with_name(f".{path.name}.deleting")
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.rename(path, aside)
+    shutil.rmtree(aside)
 
 
 # ---------------------------------------------------------------------------------------------

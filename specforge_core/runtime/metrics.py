@@ -28,6 +28,7 @@ What the numbers mean:
 """
 
 import json
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -59,7 +60,7 @@ def format_line(record: MetricsRecord) -> str:
         ("loss", "loss", ".4f"),
         ("acc_0", "acc_0", ".3f"),
         ("samples_per_s", "samples/s", ".2f"),
-        ("simulated_acceptance_length", "accept_len", ".3f"),
+        ("simulated_accept_length_with_bonus", "accept_len", ".3f"),
         ("lr", "lr", ".2e"),
         ("grad_norm", "grad_norm", ".3f"),
         ("capture_share", "capture", ".0%"),
@@ -162,7 +163,9 @@ class MetricsLogger:
             for line in self.path.read_text(encoding="utf-8").splitlines()
             if line.strip() and json.loads(line)["step"] <= step
         ]
-        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)  # a crash here keeps the old history whole
 
     def flush(self, step: int) -> MetricsRecord | None:
         """Reduce the window over ranks (collective) and publish it on rank 0; returns the record there."""

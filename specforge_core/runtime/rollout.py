@@ -27,6 +27,11 @@ Contract (DESIGN contract 4):
   CaptureError; the stream never trains a partial batch.
 - **Resume.** ``start_sample`` (samples this rank already trained) jumps the plan's cursor; the
   skipped prompts are never read from ``rows`` nor captured.
+- **Packing.** With ``token_budget`` (``training.token_budget``) each capture lays this rank's
+  ``batch_size`` samples out in packed rows of at most ``token_budget`` tokens, with
+  ``position_ids``/``seq_ids`` (``capture/packing.py``); the samples trained are the plan's either
+  way. ``stats.padding_fraction`` is the share of the handed-out ``rows × width`` slots that hold
+  no token.
 - **Rows.** Any indexable sequence of mappings with ``input_ids`` and ``loss_mask`` lists: a
   ``datasets.Dataset`` (the prompt cache), or a list of dicts. This module does not import
   ``datasets``.
@@ -52,6 +57,7 @@ class RolloutStats:
     capture_seconds: float = 0.0
     island_tokens: int = 0  # real tokens of the TP-wide batches the target computed
     local_tokens: int = 0  # real tokens of the slices this rank kept
+    local_slots: int = 0  # rows × width of the batches handed out (tokens + padding)
     rows_read: int = 0  # prompt rows read from the dataset
     peak_staged_bytes: int = 0  # largest captured batch the stream handed over
     peak_live_batches: int = 0  # most of this stream's batches alive at once (at capture time)
@@ -60,8 +66,34 @@ class RolloutStats:
     def capture_tokens_per_s(self) -> float:
         return self.island_tokens / self.capture_seconds if self.capture_seconds else 0.0
 
+    @property
+    def padding_fraction(self) -> float:
+        return 1 - self.local_tokens / self.local_slots if self.local_slots else 0.0
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "capture_tokens_per_s": self.capture_tokens_per_s}
+        return {**asdict(self), "capture_tokens_per_s": self.capture_tokens_per_s,
+                "padding_fraction": self.padding_fraction}
+
+
+class _CaptureTimer:
+    """Seconds one capture took. On CUDA, device events on the current stream: the host clock would
+    also count the previous step's kernels still queued when the capture starts, and the events
+    need no synchronisation beyond the one the stream's check makes anyway."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000
 
 
 class RolloutStream(Iterator[CapturedBatch]):
@@ -75,20 +107,24 @@ class RolloutStream(Iterator[CapturedBatch]):
         *,
         batch_size: int,
         island_batch_size: int,
+        token_budget: int | None = None,
     ):
         self._batches = batches
         self._rows = rows
         self.backend = backend
         self.batch_size = batch_size
         self.island_batch_size = island_batch_size
+        self.token_budget = token_budget
         self.stats = RolloutStats()
         self._handed_out: list[weakref.ref] = []
 
     @classmethod
     def from_plan(
-        cls, plan: PromptPlan, rank: int, rows: Sequence[Mapping], backend: CaptureBackend, *, start_sample: int = 0
+        cls, plan: PromptPlan, rank: int, rows: Sequence[Mapping], backend: CaptureBackend, *, start_sample: int = 0,
+        token_budget: int | None = None,
     ) -> "RolloutStream":
-        """The stream of ``rank`` under ``plan``, resuming after ``start_sample`` trained samples."""
+        """The stream of ``rank`` under ``plan``, resuming after ``start_sample`` trained samples;
+        ``token_budget`` packs each batch's samples into rows of at most that many tokens."""
         if len(rows) != plan.dataset_size:
             raise DataError(
                 f"the prompt rows number {len(rows)}, but the plan was made for {plan.dataset_size}",
@@ -101,16 +137,15 @@ class RolloutStream(Iterator[CapturedBatch]):
             backend,
             batch_size=plan.batch_size,
             island_batch_size=plan.island_batch_size,
+            token_budget=token_budget,
         )
 
     def __next__(self) -> CapturedBatch:
         island_batch = next(self._batches)
         request = self._request(island_batch)
-        start = time.perf_counter()
+        timer = _CaptureTimer(self.backend.device)
         batch = self.backend.capture(request)
-        if batch.aux_hidden.is_cuda:
-            torch.cuda.synchronize(batch.aux_hidden.device)
-        seconds = time.perf_counter() - start
+        seconds = timer.stop()
         self._check(batch, request, island_batch)
         self._account(batch, request, seconds)
         return batch
@@ -144,11 +179,17 @@ class RolloutStream(Iterator[CapturedBatch]):
             input_ids.append(ids)
             loss_mask.append(mask)
         self.stats.rows_read += len(tasks)
-        return TargetRequest.from_rows(input_ids, loss_mask, island_batch.local, [t.task_id for t in tasks])
+        return TargetRequest.from_rows(
+            input_ids, loss_mask, island_batch.local, [t.task_id for t in tasks], token_budget=self.token_budget
+        )
 
     def _check(self, batch: CapturedBatch, request: TargetRequest, island_batch: IslandBatch) -> None:
         want = request.local_lengths
-        got = batch.attention_mask.sum(dim=1).tolist()
+        if batch.seq_ids is None:
+            got = batch.attention_mask.sum(dim=1).tolist()
+        else:  # packed rows: tokens of each sample, wherever they sit
+            real = batch.seq_ids[batch.seq_ids >= 0]
+            got = torch.bincount(real, minlength=len(want)).tolist() if real.numel() else []
         if got != want or batch.aux_hidden.shape[:2] != batch.input_ids.shape:
             raise CaptureError(
                 f"partial capture at micro-step {island_batch.micro_step}: got rows of lengths {got}, "
@@ -163,6 +204,7 @@ class RolloutStream(Iterator[CapturedBatch]):
         s.capture_seconds += seconds
         s.island_tokens += request.num_tokens
         s.local_tokens += sum(request.local_lengths)
+        s.local_slots += batch.input_ids.numel()
         s.peak_staged_bytes = max(s.peak_staged_bytes, batch.feature_bytes())
         self._handed_out = [r for r in self._handed_out if r() is not None]
         self._handed_out.append(weakref.ref(batch.aux_hidden))

@@ -241,7 +241,7 @@ class Trainer:
             wait_s = time.perf_counter() - start
             loss, sums = self.root(batch)
             self.optimizer.backward(loss)
-            samples = batch.batch_size
+            samples = batch.num_samples  # packed rows hold several samples each
             # Release the captured features before the next capture (the stream stages one batch).
             del batch, loss
             self.consumed_samples += samples

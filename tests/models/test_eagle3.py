@@ -103,6 +103,29 @@ def test_step_with_explicit_extra_rows_reproduces_the_ttt_unroll():
             assert (logits.double() - expected).abs().max() < 1e-5, k
 
 
+def test_forward_with_queries_returns_those_rows_of_the_full_forward():
+    """Keys and values come from every row; only the chosen rows are computed further."""
+    draft = tiny_draft(seed=4)
+    ids, aux, pos = torch.randint(24, (1, 6)), torch.randn(1, 6, 72), torch.arange(6)[None]
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+
+    def attend(rows):
+        def fn(q, k, v):
+            groups = q.shape[1] // k.shape[1]
+            mask = causal[rows][None, None]
+            return F.scaled_dot_product_attention(
+                q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask
+            )
+        return fn
+
+    rows = torch.tensor([1, 4, 5])
+    with torch.no_grad():
+        full_h, full_z = draft(ids, pos, attend(torch.arange(6)), aux_hidden=aux)
+        some_h, some_z = draft(ids, pos, attend(rows), aux_hidden=aux, queries=rows)
+    torch.testing.assert_close(some_h, full_h[:, rows])
+    torch.testing.assert_close(some_z, full_z[:, rows])
+
+
 def test_step_default_mask_is_causal_over_new_rows_after_all_past_rows():
     draft = tiny_draft(seed=2)
     ids, hidden, pos = torch.randint(24, (1, 4)), torch.randn(1, 4, 24), torch.arange(4)[None]

@@ -31,23 +31,59 @@ def test_auto_backend_is_sdpa_on_cpu_and_unknown_names_are_config_errors():
 
 
 def attention_inputs(seed, B=2, T=9, nh=4, nkv=2, hd=8, steps=4):
+    """Queries and per-step keys on rows: step 0 = the real tokens, step j = a shrinking subset."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, nh, T, hd, generator=g)
-    keys = [torch.randn(B, nkv, T, hd, generator=g) for _ in range(steps)]
-    values = [torch.randn(B, nkv, T, hd, generator=g) for _ in range(steps)]
     attention = torch.ones(B, T, dtype=torch.long)
     attention[1, 6:] = 0
     seq = torch.tensor([[0] * 4 + [1] * 5, [0] * 3 + [1] * 3 + [-1] * 3])
-    return q, keys, values, attention, seq
+    rows = [torch.nonzero(attention.flatten()).flatten()]
+    for _ in range(1, steps):
+        keep = torch.rand(rows[-1].numel(), generator=g) < 0.8
+        keep[-1] = True
+        rows.append(rows[-1][keep])
+    keys = [torch.randn(1, nkv, r.numel(), hd, generator=g) for r in rows]
+    values = [torch.randn(1, nkv, r.numel(), hd, generator=g) for r in rows]
+    queries = [torch.randn(1, nh, r.numel(), hd, generator=g) for r in rows]
+    return queries, keys, values, rows, attention, seq
+
+
+def dense_ttt_attention(q, q_rows, keys, values, rows, attention, seq):
+    """Straight from the rule: one softmax over the visible step-0 keys and same-position keys."""
+    T = attention.shape[1]
+    k = len(rows) - 1
+    nh, nkv, hd = q.shape[1], keys[0].shape[1], q.shape[3]
+    out = torch.zeros_like(q)
+    for i, flat in enumerate(q_rows.tolist()):
+        b, t = divmod(flat, T)
+        cand = [j for j, s in enumerate(rows[0].tolist()) if s // T == b and s % T <= t and seq[b, s % T] == seq[b, t]]
+        same = [rows[j].tolist().index(flat) for j in range(1, k + 1)]
+        for h in range(nh):
+            g = h // (nh // nkv)
+            ks = [keys[0][0, g, j] for j in cand] + [keys[j][0, g, same[j - 1]] for j in range(1, k + 1)]
+            vs = [values[0][0, g, j] for j in cand] + [values[j][0, g, same[j - 1]] for j in range(1, k + 1)]
+            w = torch.softmax(torch.stack([q[0, h, i] @ key for key in ks]) / hd**0.5, dim=0)
+            out[0, h, i] = sum(wi * v for wi, v in zip(w, vs))
+    return out
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
-def test_flex_equals_sdpa_forward_on_cpu(k):
-    q, keys, values, attention, seq = attention_inputs(seed=k)
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_each_backend_equals_the_dense_rule_on_cpu(k, backend):
+    queries, keys, values, rows, attention, seq = attention_inputs(seed=k)
+    args = (queries[k], rows[k], keys[: k + 1], values[: k + 1], rows[: k + 1])
     with torch.no_grad():
-        sdpa = TTTAttention(attention, seq, "sdpa")(q, keys[: k + 1], values[: k + 1])
-        flex = TTTAttention(attention, seq, "flex")(q, keys[: k + 1], values[: k + 1])
-    assert (sdpa - flex).abs().max() < 1e-5
+        out = TTTAttention(attention, seq, backend)(*args)
+    assert (out - dense_ttt_attention(*args, attention, seq)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_step_zero_queries_may_be_a_subset_of_its_keys(backend):
+    queries, keys, values, rows, attention, seq = attention_inputs(seed=5)
+    subset = torch.tensor([0, 2, 3, 7, 10])
+    args = (queries[0][:, :, subset], rows[0][subset], keys[:1], values[:1], rows[:1])
+    with torch.no_grad():
+        out = TTTAttention(attention, seq, backend)(*args)
+    assert (out - dense_ttt_attention(*args, attention, seq)).abs().max() < 1e-5
 
 
 def test_flex_and_sdpa_give_the_same_loss_and_metrics_on_cpu():

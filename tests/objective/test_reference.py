@@ -92,6 +92,16 @@ def test_fast_path_matches_reference_for_rope_variants(rope):
     assert max(diffs.values()) < TOL, diffs
 
 
+def test_a_batch_without_targets_has_zero_loss_and_zero_gradients():
+    draft = tiny_draft(seed=8)
+    batch = random_batch(seed=8, lengths=[7, 5], T=7, target_hidden=24)
+    batch["loss_mask"].zero_()
+    loss, sums = eagle3_loss(draft, batch, target_head(8, 24), ttt_length=3)
+    loss.backward()
+    assert loss.item() == 0 and sums["acc_total"].sum() == 0
+    assert all(p.grad is None or not p.grad.any() for p in draft.parameters())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flex backward, fused loss kernels)")
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_fast_path_on_cuda_matches_reference(backend):

@@ -251,3 +251,21 @@ def test_nested_and_absent_fields_are_reported_dotted():
 
 def test_tuples_and_lists_compare_equal_after_the_json_round_trip():
     assert contract_differences({"ids": [1, 14, 26]}, {"ids": (1, 14, 26)}) == []
+
+
+def test_a_deletion_cut_short_never_leaves_a_complete_looking_checkpoint(one_rank_run, monkeypatch):
+    run_dir, first, draft, opt = one_rank_run
+    world = init_distributed("cpu", timeout_s=30)
+    import specforge_core.runtime.checkpoint as ckpt_mod
+
+    def crash(path, *a, **k):  # the process dies right after the rename, before the files go
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _save(run_dir, world, draft, opt, step=2, keep=1)  # rotation deletes step 1
+    monkeypatch.undo()
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-00000002"]
+    assert not first.exists()
+    _save(run_dir, world, draft, opt, step=3, keep=2)  # the next save sweeps the leftover
+    assert sorted(p.name for p in checkpoints_dir(run_dir).iterdir() if p.name.startswith(".")) == []

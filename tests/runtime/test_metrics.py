@@ -153,3 +153,8 @@ def test_records_after_the_resumed_step_are_discarded(tmp_path):
     (tmp_path / METRICS_FILE).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
     MetricsLogger(tmp_path, d, total_steps=5, derive=derive).discard_after(3)
     assert [json.loads(x)["step"] for x in (tmp_path / METRICS_FILE).read_text().splitlines()] == [1, 2, 3]
+
+
+def test_format_line_shows_the_objectives_simulated_acceptance_length():
+    line = format_line({"step": 3, "total_steps": 9, "simulated_accept_length_with_bonus": 1.625})
+    assert "accept_len=1.625" in line

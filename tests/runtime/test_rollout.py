@@ -176,7 +176,7 @@ class DroppingBackend:
     """A backend whose capture loses this rank's last row."""
 
     def __init__(self, inner):
-        self.inner, self.name = inner, "dropping"
+        self.inner, self.name, self.device = inner, "dropping", inner.device
 
     def capture(self, request):
         batch = self.inner.capture(request)
@@ -225,3 +225,32 @@ def test_the_runtime_does_not_import_datasets():
         "assert 'datasets' not in sys.modules, 'datasets was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_token_budget_packs_the_same_samples_into_fewer_rows(backends):
+    plain = next(stream_for(backends))
+    stream = stream_for(backends, token_budget=64)
+    packed = next(stream)
+    assert packed.task_ids == plain.task_ids and packed.batch_size == 1
+    assert packed.num_tokens == plain.num_tokens and packed.seq_ids is not None
+    assert stream.stats.padding_fraction == 0.0
+
+
+def test_stats_report_the_padding_of_the_handed_out_rows(backends):
+    stream = stream_for(backends)
+    batch = next(stream)
+    slots = batch.input_ids.numel()
+    assert stream.stats.local_slots == slots
+    assert stream.stats.padding_fraction == pytest.approx(1 - batch.num_tokens / slots)
+
+
+def test_a_packed_capture_that_loses_a_sample_raises(backends):
+    class LosingBackend(DroppingBackend):
+        def capture(self, request):
+            batch = self.inner.capture(request)
+            batch.seq_ids = batch.seq_ids.masked_fill(batch.seq_ids == 1, -1)
+            return batch
+
+    stream = RolloutStream.from_plan(plan(), 0, make_rows(40), LosingBackend(backends[0]), token_budget=64)
+    with pytest.raises(CaptureError, match="partial capture"):
+        next(stream)

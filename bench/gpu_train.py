@@ -1,0 +1,437 @@
+"""GPU benchmark of the colocated training step on one rank, with its references in the same run.
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/gpu_train.py --shape qwen3-8b --out DIR
+    python bench/gpu_train.py --shape llama3-8b --phases refs,capture      # a subset of phases
+    python bench/gpu_train.py --shape tiny --device cpu --steps 2          # smoke test on a CPU
+
+Needs torch + transformers only (no Prefect, datasets or network); the peer needs the
+``specforge==0.2.0`` wheel installed with ``--no-deps`` (skipped when not importable). The target
+is built from a config with random bf16 weights; sample lengths follow a ShareGPT-like
+log-normal (median 800 tokens, σ 0.9, 64 ≤ ℓ ≤ 4096; the first quarter of each sample is prompt).
+
+Phases (``--phases``, default all):
+
+- ``refs``: bf16 matmul rate, plain target forward tokens/s (dense ``4×4096``, no hooks), FLOP bound;
+- ``capture``: the real capture path (``HFCaptureBackend`` + ``RolloutStream`` over a
+  ``PromptPlan``), unpacked and packed: tokens/s, overhead over a plain forward of the same
+  samples, padding waste; and packed == unpacked per sample on this device;
+- ``draft``: our isolated draft step (objective forward + backward + AdamW) on dense shapes;
+- ``train``: the end-to-end loop (stream → objective → backward → optimizer), steady-state
+  tokens/s and samples/s, capture share, padding, peak memory, peak staged features, seconds from
+  launch to the first optimizer step;
+- ``peer``: SpecForge 0.2.0's draft step on the same dense shapes as ``draft``.
+
+Every figure is printed as one ``key=value`` line and written to ``DIR/results.json``; the last
+line is ``vs_peer=<x>``: our end-to-end tokens/s over the serial combination of plain capture
+and the peer's draft step, ``1 / (1/plain + 1/peer)`` (the best peer shape).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench import gpu_reference as ref  # noqa: E402
+
+LAUNCH = time.perf_counter()
+RESULTS: dict = {}
+
+
+def report(key: str, value) -> None:
+    RESULTS[key] = value
+    shown = f"{value:.4g}" if isinstance(value, float) else value
+    print(f"{key}={shown}", flush=True)
+
+
+def sharegpt_like_rows(n: int, vocab: int, seed: int, max_length: int = 4096) -> list[dict]:
+    """``n`` prompt rows with ShareGPT-like lengths (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(math.log(800) + 0.9 * torch.randn(n, generator=g)).round().clamp(64, max_length).long()
+    rows = []
+    for n_tok in lengths.tolist():
+        prompt = n_tok // 4
+        rows.append({
+            "input_ids": torch.randint(3, vocab, (n_tok,), generator=g).tolist(),
+            "loss_mask": [0] * prompt + [1] * (n_tok - prompt),
+        })
+    return rows
+
+
+def gib(n_bytes: float) -> float:
+    return n_bytes / 2**30
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- phases -----------------------------------------------------------------------------------
+
+
+def phase_refs(args, model) -> None:
+    if args.device.type == "cuda":
+        report("matmul_tflops", ref.matmul_tflops())
+        report("flop_bound_tokens_per_s", ref.flop_bound_tokens_per_s(args.shape, RESULTS["matmul_tflops"]))
+    b, t = args.plain_shape
+    report("plain_forward_shape", f"{b}x{t}")
+    report("plain_forward_tokens_per_s", ref.target_forward_tokens_per_s(model, b, t))
+
+
+def make_stream(args, backend, rows, *, batch_size, token_budget, steps):
+    from specforge_core.plan import PromptPlan
+    from specforge_core.runtime.rollout import RolloutStream
+
+    plan = PromptPlan.build(len(rows), seed=args.seed, epochs=1, world_size=1, tp_size=1, batch_size=batch_size,
+                            accumulation_steps=1, max_steps=steps)
+    return RolloutStream.from_plan(plan, 0, rows, backend, token_budget=token_budget)
+
+
+def plain_varlen_forward_seconds(backend, request) -> float:
+    """A plain flat forward of the request's samples (no hooks' copies, no layout): the floor."""
+    from specforge_core.capture import varlen
+
+    lengths = [len(r) for r in request.input_ids]
+    ids = torch.as_tensor([t for r in request.input_ids for t in r], device=backend.device)[None]
+    pos = torch.cat([torch.arange(n) for n in lengths]).to(backend.device)[None]
+    kwargs = varlen.varlen_kwargs(lengths, backend.device)
+
+    @torch.inference_mode()
+    def run():
+        backend._decoder(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
+        backend._grabbed.clear()
+
+    return ref.timed(run, warmup=1, iters=3) if backend.device.type == "cuda" else _cpu_time(run)
+
+
+def _cpu_time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure_stream(args, backend, rows, name, *, batch_size, token_budget) -> None:
+    """Steady-state capture figures of the real path (plan → stream → backend), 2 warm-up captures."""
+    stream = make_stream(args, backend, rows, batch_size=batch_size, token_budget=token_budget, steps=args.steps + 2)
+    for _ in range(2):
+        batch = next(stream)
+        del batch
+    start = stream.stats.as_dict()
+    for batch in stream:
+        del batch
+    end = stream.stats.as_dict()
+    tokens = end["island_tokens"] - start["island_tokens"]
+    slots = end["local_slots"] - start["local_slots"]
+    report(f"capture_{name}_tokens_per_s", tokens / (end["capture_seconds"] - start["capture_seconds"]))
+    report(f"capture_{name}_padding", 1 - tokens / slots)
+    report(f"capture_{name}_tokens_per_step", tokens / args.steps)
+
+
+def phase_capture(args, backend, rows) -> None:
+    from dataclasses import replace
+
+    from specforge_core.capture.base import TargetRequest
+
+    measure_stream(args, backend, rows, "unpacked", batch_size=args.unpacked_batch, token_budget=None)
+    measure_stream(args, backend, rows, "packed", batch_size=args.batch_size, token_budget=args.token_budget)
+    # The floor for the packed capture: a plain flat forward of one batch's samples.
+    sample = rows[: args.batch_size]
+    request = TargetRequest.from_rows([r["input_ids"] for r in sample], [r["loss_mask"] for r in sample],
+                                      slice(0, len(sample)))
+    floor = plain_varlen_forward_seconds(backend, request)
+    packed = replace(request, token_budget=args.token_budget)
+    capture = ref.timed(lambda: backend.capture(packed), warmup=1, iters=3) \
+        if backend.device.type == "cuda" else _cpu_time(lambda: backend.capture(packed))
+    report("plain_varlen_forward_tokens_per_s", request.num_tokens / floor)
+    report("capture_overhead_vs_plain_varlen", capture / floor - 1)
+    if "plain_forward_tokens_per_s" in RESULTS:
+        report("capture_overhead_vs_plain_dense",
+               RESULTS["plain_forward_tokens_per_s"] / RESULTS["capture_packed_tokens_per_s"] - 1)
+    check_packed_equals_unpacked(backend, request, args.token_budget)
+
+
+def phase_capture_compiled(args, backend, rows) -> None:
+    """The packed capture with the target's norms/MLPs compiled; kept for training only if faster."""
+    from specforge_core.compile import compile_pointwise
+
+    report("capture_compiled_modules", compile_pointwise(backend._decoder))
+    measure_stream(args, backend, rows, "packed_compiled", batch_size=args.batch_size, token_budget=args.token_budget)
+    faster = RESULTS["capture_packed_compiled_tokens_per_s"] > RESULTS.get("capture_packed_tokens_per_s", 0)
+    report("capture_compiled_used", faster)
+    if not faster:
+        for module in backend._decoder.modules():
+            module._compiled_call_impl = None
+
+
+def check_packed_equals_unpacked(backend, request, token_budget) -> None:
+    """Per sample, the packed capture vs the sample captured alone (one row, no padding, the dense
+    causal kernel) on this device: the worst relative error over aux and last hidden."""
+    from dataclasses import replace
+
+    def rel(got, want):
+        return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+    n = min(4, len(request.input_ids))
+    packed = backend.capture(replace(request, token_budget=token_budget))
+    padded = backend.capture(replace(request, input_ids=request.input_ids[:n], loss_mask=request.loss_mask[:n],
+                                     local=slice(0, n)))
+    worst = noise = 0.0
+    for i in range(n):
+        alone = backend.capture(replace(request, input_ids=request.input_ids[i : i + 1],
+                                        loss_mask=request.loss_mask[i : i + 1], local=slice(0, 1)))
+        where, length = packed.seq_ids == i, len(request.input_ids[i])
+        worst = max(worst, rel(packed.aux_hidden[where], alone.aux_hidden[0]), rel(packed.last_hidden[where], alone.last_hidden[0]))
+        noise = max(noise, rel(padded.aux_hidden[i, :length], alone.aux_hidden[0]),
+                    rel(padded.last_hidden[i, :length], alone.last_hidden[0]))
+    report("packed_vs_alone_rel_err", worst)
+    report("padded_vs_alone_rel_err", noise)  # the same samples through the padded, masked kernel: bf16 noise
+
+
+def build_draft(args, backend):
+    """Our EAGLE3 draft for the target (fp32 parameters; the step's precision is set by its caller)."""
+    from specforge_core.models.draft_config import draft_config_from_target
+    from specforge_core.models.eagle3 import Eagle3DraftModel
+
+    cfg = draft_config_from_target(backend.target_config, args.vocab_d, list(backend.layer_ids))
+    with torch.device(args.device):
+        draft = Eagle3DraftModel(cfg)
+    draft.load_embedding(backend.embed_weight)
+    g = torch.Generator().manual_seed(args.seed)
+    used = torch.randperm(cfg.vocab_size, generator=g)[: args.vocab_d].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    draft.set_vocab_map(used - torch.arange(args.vocab_d), t2d)
+    return draft
+
+
+class TrainLoop:
+    """The training step of ``specforge_core.train`` on one rank: the trainer's FSDP2 root over the
+    objective (bf16 compute, fp32 masters), its AdamW + clipping + schedule; ``step(batch)`` is one
+    micro-batch = one optimizer step (accumulation 1)."""
+
+    def __init__(self, args, backend, *, compile_pointwise: bool = False, total_steps: int = 1000):
+        from functools import partial
+
+        from specforge_core.objective import eagle3_loss
+        from specforge_core.runtime.distributed import init_distributed
+        from specforge_core.runtime.optim import DraftOptimizer, shard
+        from specforge_core.runtime.trainer import TrainStep
+
+        d = init_distributed("cuda" if args.device.type == "cuda" else "cpu")
+        draft = build_draft(args, backend)
+        if compile_pointwise:
+            from specforge_core.compile import compile_pointwise as compile_modules
+
+            report("draft_compiled_modules", compile_modules(draft))
+        objective = partial(eagle3_loss, lm_head_weight=backend.lm_head_weight, ttt_length=args.ttt_length, decay=0.8)
+        self.root = shard(TrainStep(draft, objective), d, param_dtype="bfloat16")
+        self.optimizer = DraftOptimizer(self.root, learning_rate=1e-4, weight_decay=0.0, max_grad_norm=0.5,
+                                        accumulation_steps=1, total_steps=total_steps, warmup_ratio=0.015,
+                                        lr_scheduler="cosine")
+
+    def step(self, batch) -> None:
+        loss, sums = self.root(batch)
+        self.optimizer.backward(loss)
+        del loss, sums
+        self.optimizer.step()
+
+
+def dense_batch(args, backend, b, t):
+    from specforge_core.capture.base import CapturedBatch
+
+    h, v = backend.hidden_size, backend.vocab_size
+    d = args.device
+    ones = torch.ones(b, t, dtype=torch.long, device=d)
+    return CapturedBatch(
+        input_ids=torch.randint(3, v, (b, t), device=d), attention_mask=ones, loss_mask=ones.clone(),
+        aux_hidden=torch.randn(b, t, 3 * h, device=d, dtype=torch.bfloat16),
+        last_hidden=torch.randn(b, t, h, device=d, dtype=torch.bfloat16),
+    )
+
+
+def phase_draft(args, backend, variant: str) -> None:
+    """Our isolated draft step on dense shapes (the peer's shapes), eager or with compiled norms/MLPs."""
+    loop = TrainLoop(args, backend, compile_pointwise=variant == "compiled")
+    for b, t in args.draft_shapes:
+        batch = dense_batch(args, backend, b, t)
+        key = f"draft_{variant}_{b}x{t}"
+        if args.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            s = ref.timed(lambda: loop.step(batch), warmup=2, iters=args.steps)
+            report(f"{key}_peak_gib", gib(torch.cuda.max_memory_allocated()))
+        else:
+            s = _cpu_time(lambda: loop.step(batch))
+        report(f"{key}_tokens_per_s", b * t / s)
+        best = RESULTS.get(f"draft_{b}x{t}_tokens_per_s", 0.0)
+        RESULTS[f"draft_{b}x{t}_tokens_per_s"] = max(best, b * t / s)
+        del batch
+    del loop
+
+
+def phase_train(args, backend, rows, variant: str) -> None:
+    """The end-to-end loop: plan → rollout stream (packed capture) → draft step, per optimizer step."""
+    loop = TrainLoop(args, backend, compile_pointwise=variant == "compiled")
+    warmup = 3
+    stream = make_stream(args, backend, rows, batch_size=args.batch_size, token_budget=args.token_budget,
+                         steps=warmup + args.steps)
+    if args.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup):
+        batch = next(stream)
+        loop.step(batch)
+        del batch
+        if i == 0 and "seconds_to_first_optimizer_step" not in RESULTS:
+            sync(args.device)
+            report("seconds_to_first_optimizer_step", time.perf_counter() - LAUNCH)
+    sync(args.device)
+    start_stats = stream.stats.as_dict()
+    t0 = time.perf_counter()
+    for batch in stream:
+        loop.step(batch)
+        del batch
+    sync(args.device)
+    seconds = time.perf_counter() - t0
+    s = stream.stats.as_dict()
+    tokens = s["local_tokens"] - start_stats["local_tokens"]
+    key = f"train_{variant}"
+    report(f"{key}_tokens_per_s", tokens / seconds)
+    report(f"{key}_samples_per_s", args.steps * args.batch_size / seconds)
+    report(f"{key}_tokens_per_step", tokens / args.steps)
+    report(f"{key}_capture_share", (s["capture_seconds"] - start_stats["capture_seconds"]) / seconds)
+    report(f"{key}_padding", 1 - tokens / (s["local_slots"] - start_stats["local_slots"]))
+    report(f"{key}_peak_staged_gib", gib(s["peak_staged_bytes"]))
+    if args.device.type == "cuda":
+        report(f"{key}_peak_allocated_gib", gib(torch.cuda.max_memory_allocated()))
+        report(f"{key}_peak_reserved_gib", gib(torch.cuda.max_memory_reserved()))
+    RESULTS["train_tokens_per_s"] = max(RESULTS.get("train_tokens_per_s", 0.0), tokens / seconds)
+    del loop
+
+
+def phase_peer(args) -> None:
+    best = None
+    for b, t in args.draft_shapes:
+        out = ref.peer_draft_step_tokens_per_s(args.shape, b, t, ttt_length=args.ttt_length, vocab_d=args.vocab_d)
+        if out is None:
+            return
+        tps, peak = out
+        report(f"peer_{b}x{t}_tokens_per_s", tps)
+        report(f"peer_{b}x{t}_peak_gib", peak)
+        best = tps if best is None else max(best, tps)
+    report("peer_best_tokens_per_s", best)
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="qwen3-8b", choices=[*ref.SHAPES, "tiny"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--phases", default="refs,capture,draft,train,peer")
+    p.add_argument("--batch-size", type=int, default=12, help="samples per micro-step (packed)")
+    p.add_argument("--unpacked-batch", type=int, default=4, help="samples per micro-step without packing")
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
+    p.add_argument("--ttt-length", type=int, default=7)
+    p.add_argument("--vocab-d", type=int, default=32000)
+    p.add_argument("--draft-shapes", default="1x4096,4x2048")
+    p.add_argument("--plain-shape", default="4x4096")
+    p.add_argument("--draft-variants", default="eager,compiled", help="compiled: the draft's norms/MLPs too")
+    p.add_argument("--capture-variants", default="eager,compile", help="compile: also the target's norms/MLPs")
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.device = torch.device(args.device)
+    args.phases = args.phases.split(",")
+    args.draft_variants = args.draft_variants.split(",")
+    args.draft_shapes = [tuple(int(x) for x in s.split("x")) for s in args.draft_shapes.split(",")]
+    args.plain_shape = tuple(int(x) for x in args.plain_shape.split("x"))
+    return args
+
+
+def build_backend(args):
+    from specforge_core.capture.hf import HFCaptureBackend
+    from specforge_core.capture.target import default_capture_layers
+
+    if args.shape == "tiny":
+        ref.SHAPES["tiny"] = dict(arch="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=4096,
+                                  max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1e6)
+    model = ref.build_random_target(args.shape, device=str(args.device))
+    return HFCaptureBackend(model, default_capture_layers(model.config.num_hidden_layers))
+
+
+def run_phase(name, fn, args) -> None:
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:  # report and go on: one broken phase must not cost the others
+        report(f"{name}_error", f"{type(e).__name__}: {e}"[:500])
+    report(f"{name}_phase_seconds", time.perf_counter() - t0)
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()  # between phases only, never inside a step loop
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    report("shape", args.shape)
+    report("device", torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu")
+    report("torch", torch.__version__)
+    import transformers
+
+    report("transformers", transformers.__version__)
+    report("date", time.strftime("%Y-%m-%d %H:%M"))
+    report("config", f"batch_size={args.batch_size} token_budget={args.token_budget} ttt={args.ttt_length} "
+                     f"Vd={args.vocab_d} steps={args.steps}")
+    t0 = time.perf_counter()
+    backend = build_backend(args)
+    report("build_target_seconds", time.perf_counter() - t0)
+    rows = sharegpt_like_rows(args.samples, backend.vocab_size, args.seed)
+    report("mean_sample_tokens", sum(len(r["input_ids"]) for r in rows) / len(rows))
+    # Eager first, then the peer, then the compiled variants: a slow compile cannot cost the baseline.
+    steps = [("refs", lambda: phase_refs(args, backend.model)),
+             ("capture", lambda: phase_capture(args, backend, rows))]
+    for variant in args.draft_variants:
+        if variant == "compiled":
+            steps.append(("peer", lambda: phase_peer(args)))
+            if "compile" in args.capture_variants:
+                steps.append(("capture_compiled", lambda: phase_capture_compiled(args, backend, rows)))
+        steps.append((f"draft_{variant}", lambda v=variant: phase_draft(args, backend, v)))
+        steps.append((f"train_{variant}", lambda v=variant: phase_train(args, backend, rows, v)))
+    if "compiled" not in args.draft_variants:
+        steps.append(("peer", lambda: phase_peer(args)))
+    for name, fn in steps:
+        if name.split("_")[0] in args.phases:
+            run_phase(name, fn, args)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    for b, t in args.draft_shapes:
+        ours, peer = RESULTS.get(f"draft_{b}x{t}_tokens_per_s"), RESULTS.get(f"peer_{b}x{t}_tokens_per_s")
+        if ours and peer:
+            report(f"draft_vs_peer_{b}x{t}", ours / peer)
+    if "train_tokens_per_s" in RESULTS:
+        report("train_best_tokens_per_s", RESULTS["train_tokens_per_s"])
+    plain, peer, ours = (RESULTS.get(k) for k in ("plain_forward_tokens_per_s", "peer_best_tokens_per_s", "train_tokens_per_s"))
+    if plain and peer and ours:
+        report("serial_peer_tokens_per_s", 1 / (1 / plain + 1 / peer))
+        report("vs_peer", ours / RESULTS["serial_peer_tokens_per_s"])
+    else:
+        print("vs_peer=nan", flush=True)
+
+
+if __name__ == "__main__":
+    main()
