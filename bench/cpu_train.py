@@ -28,6 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specforge_core.runtime.host import keep_freed_memory, prefer_passive_omp_wait  # noqa: E402
+
+prefer_passive_omp_wait()  # before torch is imported, as python -m specforge_core.train does
+
 import torch  # noqa: E402
 
 import specforge_core.objective.ttt as ttt  # noqa: E402
@@ -219,9 +223,12 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-chunk", type=int, default=32768)
     ap.add_argument("--target", default="smollm2", help="smollm2 (ensure_smollm2) or random (its shape, no files)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    ap.add_argument("--malloc", choices=["tuned", "default"], default="tuned", help="runtime.host.keep_freed_memory or not")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.malloc == "tuned":
+        keep_freed_memory()  # as python -m specforge_core.train does on CPU
     lo, hi = (min(int(x), args.max_length) for x in args.lengths.split(":"))
 
     t0 = time.perf_counter()

@@ -18,7 +18,6 @@ the one this config and data give.
 
 import argparse
 import contextlib
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -167,21 +166,11 @@ def check_world(cfg, d) -> None:
         )
 
 
-def prefer_passive_omp_wait() -> None:
-    """Let idle OpenMP threads sleep instead of spin (``OMP_WAIT_POLICY=PASSIVE``) unless the user
-    chose a policy. Must run before torch is imported: the OpenMP runtime reads it once, at load.
-
-    On a CPU shared with other jobs a spinning thread burns the core its peer needs, and every op
-    waits for the peer that was descheduled: one rank with 2 threads on 2 busy cores ran its steps
-    2.6x slower with the default policy (docs/performance.md, "CPU"). Sleeping costs a wake-up per
-    parallel region, negligible next to the matmuls.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prefer_passive_omp_wait()
+    from specforge_core.runtime.host import keep_freed_memory, prefer_passive_omp_wait
+
+    prefer_passive_omp_wait()  # before torch is imported (runtime/host.py says why)
     # Before anything touches CUDA: the allocator reads its configuration once, at initialisation.
     from specforge_core.runtime.distributed import close_distributed, enable_expandable_segments, init_distributed
 
@@ -191,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = load_config(args.config, args.overrides)
         d = init_distributed(cfg.capture.device)
+        if d.device.type == "cpu":
+            keep_freed_memory()
     except SpecForgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -74,15 +74,16 @@ def compute_teacher(
         run_arg = torch.zeros(h.shape[0], dtype=torch.long, device=device)
         for c, v0 in enumerate(starts):
             logits = (h @ lm_head_weight[v0 : v0 + vocab_chunk].T).float()
-            run_lse = torch.logaddexp(run_lse, torch.logsumexp(logits, dim=-1))
-            chunk_arg = logits.argmax(dim=-1)
-            chunk_max = logits.gather(-1, chunk_arg[:, None]).squeeze(-1)
-            better = chunk_max > run_max  # strict: an earlier chunk wins ties, like a full argmax
-            run_max = torch.where(better, chunk_max, run_max)
-            run_arg = torch.where(better, chunk_arg + v0, run_arg)
             lo, hi = bounds[c], bounds[c + 1]
             if hi > lo:
                 draft_logits[t0 : t0 + h.shape[0], lo:hi] = logits[:, draft_ids[lo:hi] - v0]
+            # One pass for max and argmax (first index on ties); logsumexp from the max, in place.
+            chunk_max, chunk_arg = logits.max(dim=-1)
+            chunk_lse = logits.sub_(chunk_max[:, None]).exp_().sum(dim=-1).log_().add_(chunk_max)
+            run_lse = torch.logaddexp(run_lse, chunk_lse)
+            better = chunk_max > run_max  # strict: an earlier chunk wins ties, like a full argmax
+            run_max = torch.where(better, chunk_max, run_max)
+            run_arg = torch.where(better, chunk_arg + v0, run_arg)
         lse[t0 : t0 + h.shape[0]] = run_lse
         argmax[t0 : t0 + h.shape[0]] = run_arg
 

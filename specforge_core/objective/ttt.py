@@ -78,27 +78,48 @@ def _fused(fn, device: torch.device):
     return _FUSED[fn]
 
 
-class _SoftCrossEntropy(torch.autograd.Function):
-    """``-Σ_v target·log_softmax(logits)`` times ``weight``, per row, in fp32.
+class _SoftTargetTerms(torch.autograd.Function):
+    """Per row, in fp32: the soft CE ``-Σ_v target·log_softmax(logits)`` times ``weight`` (with a
+    gradient to ``logits``) and the overlap ``Σ_v min(q_draft, p_target)`` (none).
 
-    Saves the logits (in their own dtype) instead of an fp32 log-softmax, and recomputes the
-    softmax in backward: half the activation memory per step in bf16.
+    On CUDA: compiled kernels; saves the logits in their own dtype and recomputes the softmax in
+    backward (half the activation memory per step in bf16). Elsewhere (eager, memory bound): one
+    log-softmax serves the loss, the overlap and the backward, which gets the fp32 softmax saved.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight):
-        ctx.save_for_backward(logits, target, weight)
-        return _fused(_ce_rows, logits.device)(logits, target, weight)
+    def forward(ctx, logits, target, weight, log_mass):
+        ctx.logits_dtype = logits.dtype
+        ctx.saved_softmax = not logits.is_cuda
+        if logits.is_cuda:
+            ctx.save_for_backward(logits, target, weight)
+            loss = _fused(_ce_rows, logits.device)(logits, target, weight)
+            overlap = _fused(_overlap, logits.device)(logits, target, log_mass)
+        else:
+            log_q = torch.log_softmax(logits.float(), dim=-1)
+            loss = -(target * log_q).sum(dim=-1)
+            loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
+            q = log_q.exp_()
+            overlap = torch.minimum(q, target * log_mass.exp()[..., None]).sum(dim=-1)
+            ctx.save_for_backward(q, target, weight)
+        ctx.mark_non_differentiable(overlap)
+        return loss, overlap
 
     @staticmethod
-    def backward(ctx, grad):
-        logits, target, weight = ctx.saved_tensors
-        return _fused(_ce_grad, logits.device)(logits, target, weight, grad), None, None
+    def backward(ctx, grad, _):
+        saved, target, weight = ctx.saved_tensors
+        if not ctx.saved_softmax:
+            return _fused(_ce_grad, saved.device)(saved, target, weight, grad), None, None, None
+        coef = torch.where(weight > 0, grad * weight, torch.zeros_like(grad))[..., None]
+        return (coef * (saved * target.sum(dim=-1, keepdim=True) - target)).to(ctx.logits_dtype), None, None, None
 
 
-def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Row-wise weighted soft cross-entropy (fp32 result, gradient to ``logits`` only)."""
-    return _SoftCrossEntropy.apply(logits, target, weight)
+def soft_target_terms(
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, log_mass: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise weighted soft cross-entropy (fp32, gradient to ``logits`` only) and the overlap
+    ``Σ_v min(softmax(logits), target·exp(log_mass))`` (no gradient)."""
+    return _SoftTargetTerms.apply(logits, target, weight, log_mass)
 
 
 def ttt_unroll(
@@ -153,10 +174,9 @@ def ttt_unroll(
         logits = logits[0, here]
         probs = teacher.probs[label]
         pm = teacher.in_draft[label]
-        loss = soft_cross_entropy(logits, probs, pm.float())
+        loss, overlap = soft_target_terms(logits, probs, pm.float(), teacher.log_mass[label])
         with torch.no_grad():
             correct = target_ids[logits.argmax(dim=-1)] == teacher.argmax[label]
-            overlap = _fused(_overlap, logits.device)(logits, probs, teacher.log_mass[label])
             accept = torch.where(pm, overlap, torch.zeros_like(overlap))
         steps.append(
             StepTerms(
