@@ -17,12 +17,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,cpu]'
 	touch $(STAMP)
 
+# Two workers, whole files each: most of the suite's time is processes starting (torchrun ranks,
+# Prefect servers and flow runs), which overlaps well. PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST = -n $(PYTEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PREFECT_ENV) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(PREFECT_ENV) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # the suite without the slow real-model checks
 test-fast: $(STAMP)
-	$(PREFECT_ENV) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest -m 'not slow' $(PYTEST_ARGS)
+	$(PREFECT_ENV) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest $(PYTEST_XDIST) -m 'not slow' $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PREFECT_ENV) $(BIN)/python -m flows.demo --profile smollm2

@@ -18,17 +18,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from specforge_core.eval.report import chain_acceptance_length  # noqa: E402
 from tasks.torchrun import metrics_rows  # noqa: E402
 
 ACC = re.compile(r"^acc_(\d+)$")
-
-
-def chain_acceptance_length(accs: list[float], num_steps: int) -> float:
-    total, run = 1.0, 1.0
-    for acc in accs[:num_steps]:
-        run *= acc
-        total += run
-    return total
 
 
 def plot_curves(metrics_path: Path, out: Path, *, num_steps: int, measured: dict[str, float | None]) -> Path:

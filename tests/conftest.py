@@ -4,16 +4,44 @@ import os
 import tempfile
 
 # Before anything imports prefect: a throw-away home, no telemetry, quiet task calls.
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="prefect-home-"))
+_home = os.environ.get("PREFECT_HOME") or tempfile.mkdtemp(prefix="prefect-home-")
+if _worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest-xdist workers: each gets its own home, so one worker's cached
+    # task results (stored under the home, keyed by content) never satisfy the other's tests.
+    _home = os.path.join(_home, _worker)
+    os.makedirs(_home, exist_ok=True)
+os.environ["PREFECT_HOME"] = _home
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# One intra-op thread per worker when xdist runs two of them on the 2 cores (no oversubscription).
+os.environ.setdefault("OMP_NUM_THREADS", "1" if _worker else "2")
 
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+# The longest files (`make test` prints the slowest tests), longest first. `make test` gives whole
+# files to two xdist workers in collection order, so these start first and the many short files
+# fill in behind them: without this the last long file ran alone for minutes.
+LONGEST_FIRST = (
+    "reliability/test_fault_injection.py",
+    "orchestration/test_deployment_e2e.py",
+    "reliability/test_torn_checkpoint.py",
+    "orchestration/test_flow.py",
+    "reliability/test_one_run_per_output_dir.py",
+    "runtime/test_train_cli.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = item.path.as_posix()
+        return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith(name)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
 
 
 @pytest.fixture(scope="session")

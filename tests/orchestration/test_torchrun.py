@@ -24,9 +24,12 @@ def _no_stray_children():
     """Every test here must leave no child process of pytest behind."""
     import psutil
 
+    # The Prefect server, its uvicorn and multiprocessing's resource tracker (one per pytest process,
+    # started by whichever earlier test first used a semaphore) live as long as the session.
+    session_helpers = ("prefect", "uvicorn", "multiprocessing.resource_tracker")
     yield
     leftovers = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
-                 and "prefect" not in " ".join(p.cmdline()) and "uvicorn" not in " ".join(p.cmdline())]
+                 and not any(h in " ".join(p.cmdline()) for h in session_helpers)]
     assert not leftovers, f"processes left behind: {[p.cmdline() for p in leftovers]}"
 
 

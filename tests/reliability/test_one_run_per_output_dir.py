@@ -17,7 +17,9 @@ from .runs import Run, alive, final_weights, losses, run_config, run_to_end, sam
 
 
 def test_a_second_train_on_the_same_output_dir_is_refused_naming_the_holder(train_workdir, tiny_target_dir):
-    config = run_config(train_workdir, "busy", tiny_target_dir, world=1, max_steps=400)
+    # 4,400 steps of data: far longer than the second launch takes to start on a slow machine; killed below
+    config = run_config(train_workdir, "busy", tiny_target_dir, world=1, max_steps=5000,
+                        training={"num_epochs": 200})
     first = Run.start(config, world=1)
     try:
         first.wait_step()  # it holds the lock and trains
