@@ -157,3 +157,43 @@ def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_
     plain = [decode(target, p, max_new_tokens=32, stop_ids=stops).tokens for p in prompts]
     spec = decode_batch(target, prompts, max_new_tokens=32, stop_ids=stops, drafter=DraftRunner(draft), num_steps=3)
     assert [g.tokens for g in spec] == plain
+
+
+@pytest.mark.slow
+def test_on_smollm2_the_draft_fed_at_decode_equals_the_training_unroll_on_captured_states(smollm2_dir):
+    """Training's features (the hf capture backend, one full forward) and decode's (the decoding
+    target: prefill, then a verify-style forward) drive the same draft to the same pre-norm hidden
+    and the same argmax at steps 0..2 of every answer position, on the real target's magnitudes
+    (SmolLM2's captured states reach |x| ~ 2.5e4)."""
+    from transformers import AutoTokenizer
+
+    from specforge_core.capture.base import TargetRequest
+    from specforge_core.capture.hf import HFCaptureBackend
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model, target = _target(smollm2_dir)
+    prompt = _prompt(tok, "Name three rivers in Europe.")
+    answer = decode(target, prompt, max_new_tokens=12, stop_ids=set()).tokens
+    ids, p = prompt + answer, len(prompt)
+    step = target.start([prompt])
+    aux = torch.cat([step.aux[0], target.forward([answer]).aux[0]])  # what decoding gives the draft
+
+    capture_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    backend = HFCaptureBackend(capture_model, target.capture_layer_ids)
+    # every position supervised, so the unroll's output rows are the positions themselves
+    batch = backend.capture(TargetRequest.from_rows([ids], [[1] * len(ids)], slice(0, 1)))
+    draft = _draft(model, draft_vocab_size=8192, seed=3)
+    unrolled = []
+    hook = draft.norm.register_forward_hook(lambda _m, inputs, _o: unrolled.append(inputs[0].detach()))
+    with torch.no_grad():
+        ttt_unroll(draft, batch, backend.lm_head_weight, ttt_length=3, backend="sdpa")
+    hook.remove()
+
+    ends = list(range(p, len(ids) - 2))  # a round after step-0 rows 0..n-1, fed ids[n+1], ids[n+2]
+    runner = DraftRunner(draft)
+    runner.extend([(ids[1 : n + 1], aux[:n]) for n in ends])
+    steps = runner.round_hidden_states([ids[n + 1 : n + 3] for n in ends])
+    for k in range(3):
+        train = unrolled[k][0, [n - 1 for n in ends]]
+        torch.testing.assert_close(steps[k], train, rtol=1e-5, atol=2e-4)  # seen: 4e-5
+        assert torch.equal(draft.compute_logits(steps[k]).argmax(-1), draft.compute_logits(train).argmax(-1))
