@@ -21,7 +21,7 @@ from pathlib import Path
 from specforge_core.config import load_config
 from specforge_core.errors import DataError, ModelError, SpecForgeError
 from specforge_core.eval.measure import measure_acceptance
-from specforge_core.eval.report import last_metrics, render_report, simulated_acceptance
+from specforge_core.eval.report import checkpoint_step, last_metrics, render_report, simulated_acceptance
 from specforge_core.eval.target import load_target, stop_token_ids
 
 
@@ -98,7 +98,8 @@ def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_n
     measured = measure_acceptance(model, draft, prompts, stop_ids=stops, capture_layer_ids=capture_ids,
                                   num_steps=num_steps, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                   check_lossless=check_lossless)
-    simulated = simulated_acceptance(last_metrics(run_dir), num_steps)
+    # a checkpoint's own training figures, not the run's last line (which may be later)
+    simulated = simulated_acceptance(last_metrics(run_dir, at_step=checkpoint_step(draft_path)), num_steps)
     meta = {"draft": str(draft_path), "target": cfg.model.target, "capture layers": capture_ids,
             "max new tokens": max_new_tokens, "training metrics": str(run_dir / "metrics.jsonl")}
     report_path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specforge_core.eval.acceptance import AcceptanceStats
-from specforge_core.eval.report import chain_acceptance_length, last_metrics, render_report, simulated_acceptance
+from specforge_core.eval.report import chain_acceptance_length, checkpoint_step, last_metrics, render_report, simulated_acceptance
 from specforge_core.eval.speculative import Generation
 
 
@@ -26,6 +26,16 @@ def test_simulated_uses_the_last_metrics_line(tmp_path):
     assert sim["step"] == 2 and sim["acc"] == [0.3, 0.2, 0.1]
     assert sim["acceptance_length"] == pytest.approx(1 + 0.3 + 0.06)
     assert sim["acceptance_length_all_steps"] == pytest.approx(1 + 0.3 + 0.06 + 0.006)
+
+
+def test_an_earlier_checkpoint_gets_the_metrics_logged_at_or_before_its_step(tmp_path):
+    lines = [{"step": s, "acc_0": s / 100} for s in (5, 10, 15, 20)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    at = checkpoint_step(tmp_path / "checkpoints" / "step-00000012")
+    assert at == 12 and last_metrics(tmp_path, at_step=at)["step"] == 10
+    assert checkpoint_step(tmp_path / "exported-draft") is None
+    assert last_metrics(tmp_path, at_step=None)["step"] == 20
+    assert last_metrics(tmp_path, at_step=4) is None
 
 
 def test_no_metrics_file_means_no_simulated_figure(tmp_path):
