@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 # Two workers, whole files each: most of the suite's time is processes starting (torchrun ranks,
 # Prefect servers and flow runs), which overlaps well. PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
-PYTEST_XDIST = -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST_XDIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PREFECT_ENV) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)

@@ -97,7 +97,8 @@ def build(cfg, d, plan_path: str | None):
 
         compile_pointwise(draft)
 
-    plan = load_plan(cfg, len(cache.train), plan_path)
+    rows = cache.rows("train")  # pyarrow only: no datasets/pandas import in the ranks
+    plan = load_plan(cfg, len(rows), plan_path)
     if d.is_main and plan_path is None and latest_checkpoint(cfg.output.dir) is None:
         plan.save(Path(cfg.output.dir) / "plan.json")
     contract = training_contract(
@@ -124,7 +125,7 @@ def build(cfg, d, plan_path: str | None):
         objective=objective,
         derive=partial(summarize_metrics, decay=t.ploss_decay),
         open_stream=lambda start: RolloutStream.from_plan(
-            plan, d.rank, cache.train, backend, start_sample=start, token_budget=t.token_budget
+            plan, d.rank, rows, backend, start_sample=start, token_budget=t.token_budget
         ),
         contract=contract,
         write_draft_files=partial(save_draft_checkpoint_files, draft),

@@ -24,8 +24,9 @@ import pytest  # noqa: E402
 
 
 # The longest files (`make test` prints the slowest tests), longest first. `make test` gives whole
-# files to two xdist workers in collection order, so these start first and the many short files
-# fill in behind them: without this the last long file ran alone for minutes.
+# files to two xdist workers in collection order (`--no-loadscope-reorder`: xdist would otherwise
+# sort files by their number of tests), so these start first and the many short files fill in
+# behind them: without this the last long file ran alone for minutes.
 LONGEST_FIRST = (
     "reliability/test_fault_injection.py",
     "orchestration/test_deployment_e2e.py",

@@ -33,6 +33,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,14 +53,56 @@ _CHUNK_ROWS = 256
 
 @dataclass
 class PromptCache:
-    """An opened prompt cache. ``built`` is True only in the process whose call built it."""
+    """An opened prompt cache. ``built`` is True only in the process whose call built it.
+
+    ``train`` / ``eval`` are the splits as memory-mapped ``datasets.Dataset`` (opened on first use);
+    ``rows(split)`` reads the same Arrow file with pyarrow alone, which is what a training rank needs
+    (``len`` and ``rows[i]``) without importing ``datasets`` and pandas in every process (≈ 1 s each).
+    """
 
     key: str
     path: Path
-    train: "datasets.Dataset"
-    eval: "datasets.Dataset"
     meta: dict
     built: bool = False
+
+    @cached_property
+    def train(self) -> "datasets.Dataset":
+        return _open_split(self.path, "train")
+
+    @cached_property
+    def eval(self) -> "datasets.Dataset":
+        return _open_split(self.path, "eval")
+
+    def rows(self, split: str = "train") -> "ArrowRows":
+        return ArrowRows(self.path / f"{split}.arrow")
+
+
+class ArrowRows:
+    """A prompt-cache split read with pyarrow: ``len(rows)``, ``rows[i]`` → ``{column: list}``."""
+
+    def __init__(self, path: Path):
+        import pyarrow as pa
+
+        # the cache's files are Arrow IPC streams (datasets' format); memory-mapped, nothing copied
+        self._table = pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+
+    def __len__(self) -> int:
+        return self._table.num_rows
+
+    @property
+    def num_rows(self) -> int:
+        return self._table.num_rows
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)}")
+        return {name: self._table.column(name)[index].as_py() for name in self._table.column_names}
+
+
+def _open_split(path: Path, split: str) -> "datasets.Dataset":
+    from datasets import Dataset
+
+    return Dataset.from_file(str(path / f"{split}.arrow"))
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -140,17 +183,11 @@ def open_prompt_cache(path: str | Path, *, built: bool = False) -> PromptCache:
     """Open a finished cache directory (memory-mapped) after checking every file's size and sha256
     against meta.json. Raises :class:`DataError` naming the file, with the fix (delete the
     directory to rebuild it), for a missing, unreadable, torn or changed file."""
-    from datasets import Dataset
-
     path = Path(path)
     meta = _read_meta(path)
     for name in DATA_FILES:
         _verify(path, name, meta["files"].get(name))
-    return PromptCache(
-        key=meta["key"], path=path, meta=meta, built=built,
-        train=Dataset.from_file(str(path / "train.arrow")),
-        eval=Dataset.from_file(str(path / "eval.arrow")),
-    )
+    return PromptCache(key=meta["key"], path=path, meta=meta, built=built)
 
 
 # ---------------------------------------------------------------------------------------------

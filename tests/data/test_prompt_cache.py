@@ -56,6 +56,28 @@ def test_cache_is_memory_mapped_from_its_directory(make_cfg, chat_file, tiny_tok
     assert [f["filename"] for f in cache.train.cache_files] == [str(cache.path / "train.arrow")]
 
 
+def test_rows_read_with_pyarrow_alone_equal_the_datasets_rows(make_cfg, chat_file, tiny_tokenizer):
+    cache = ensure_prompt_cache(make_cfg([chat_file], eval_holdout=2), tiny_tokenizer)
+    for split, dataset in (("train", cache.train), ("eval", cache.eval)):
+        rows = cache.rows(split)
+        assert len(rows) == rows.num_rows == dataset.num_rows > 0
+        assert [rows[i] for i in range(len(rows))] == [dict(dataset[i]) for i in range(dataset.num_rows)]
+    with pytest.raises(IndexError):
+        cache.rows("train")[len(cache.train)]
+
+
+def test_opening_a_cache_for_its_rows_does_not_import_datasets(make_cfg, chat_file, tiny_tokenizer):
+    """What a training rank does: every rank process would otherwise pay ≈ 1 s for datasets + pandas."""
+    import subprocess
+    import sys
+
+    cache = ensure_prompt_cache(make_cfg([chat_file]), tiny_tokenizer)
+    code = ("import sys; from specforge_core.data.prompt_cache import open_prompt_cache;"
+            f"rows = open_prompt_cache({str(cache.path)!r}).rows('train'); assert len(rows) and rows[0]['input_ids'];"
+            "assert 'datasets' not in sys.modules and 'pandas' not in sys.modules, 'datasets or pandas imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_second_call_opens_the_same_cache_without_building(make_cfg, chat_file, tiny_tokenizer):
     cfg = make_cfg([chat_file])
     first = ensure_prompt_cache(cfg, tiny_tokenizer)

@@ -61,10 +61,10 @@ def test_ensure_builds_saves_and_reports_coverage(make_cfg, chat_file, cache):
     assert side["prompt_cache_key"] == cache.key and (side["target_vocab_size"], side["draft_vocab_size"]) == (V, 16)
 
 
-def test_a_hit_needs_only_the_cache_key_not_the_corpus(make_cfg, chat_file, cache):
+def test_a_hit_needs_only_the_cache_key_not_the_corpus(make_cfg, chat_file, cache, tmp_path):
     cfg = make_cfg([chat_file], "draft.draft_vocab_size=16")
     first = ensure_vocab_map(cfg, cache, V)
-    key_only = dataclasses.replace(cache, train=None, eval=None)
+    key_only = dataclasses.replace(cache, path=tmp_path / "no-such-cache")  # its splits cannot be read
     again = ensure_vocab_map(cfg, key_only, V)
     assert not again.built and again.key == first.key and torch.equal(again.d2t, first.d2t)
 
