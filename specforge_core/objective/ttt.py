@@ -54,10 +54,14 @@ def _ce_rows(logits, target, weight):
     return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
 
 
-def _ce_grad(logits, target, weight, grad):
-    probs = torch.softmax(logits.float(), dim=-1)
+def _ce_grad_from_probs(probs, target, weight, grad, dtype):
+    """d(weight·CE)/d(logits) given the draft's fp32 softmax ``probs``."""
     coef = torch.where(weight > 0, grad * weight, torch.zeros_like(grad))[..., None]
-    return (coef * (probs * target.sum(dim=-1, keepdim=True) - target)).to(logits.dtype)
+    return (coef * (probs * target.sum(dim=-1, keepdim=True) - target)).to(dtype)
+
+
+def _ce_grad(logits, target, weight, grad):
+    return _ce_grad_from_probs(torch.softmax(logits.float(), dim=-1), target, weight, grad, logits.dtype)
 
 
 def _overlap(logits, target, log_mass):
@@ -110,8 +114,7 @@ class _SoftTargetTerms(torch.autograd.Function):
         saved, target, weight = ctx.saved_tensors
         if not ctx.saved_softmax:
             return _fused(_ce_grad, saved.device)(saved, target, weight, grad), None, None, None
-        coef = torch.where(weight > 0, grad * weight, torch.zeros_like(grad))[..., None]
-        return (coef * (saved * target.sum(dim=-1, keepdim=True) - target)).to(ctx.logits_dtype), None, None, None
+        return _ce_grad_from_probs(saved, target, weight, grad, ctx.logits_dtype), None, None, None
 
 
 def soft_target_terms(
