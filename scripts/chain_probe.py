@@ -21,9 +21,9 @@ from specforge_core.capture.base import TargetRequest
 from specforge_core.capture.hf import HFCaptureBackend
 from specforge_core.config import load_config
 from specforge_core.data.prompt_cache import ensure_prompt_cache
-from specforge_core.eval.target import load_target
-from specforge_core.evaluate import capture_layers_for, load_draft
-from specforge_core.objective.ttt import ttt_unroll
+from specforge_core.decoding.verifier import load_target
+from specforge_core.decoding.evaluation import capture_layers_for, load_draft
+from specforge_core.drafts.eagle3.objective import ttt_unroll
 
 
 def chain_figures(draft, batch: dict, lm_head_weight: torch.Tensor, ttt_length: int) -> list[tuple]:

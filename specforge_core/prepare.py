@@ -9,30 +9,20 @@ processes at once (one builds, the others wait). Bad input: the message names fi
 fix, on stderr, and the exit code is 2.
 """
 
-import argparse
-import json
 import sys
 
-from specforge_core.config import load_config
-from specforge_core.errors import SpecForgeError
-
-
-def target_vocab_size(cfg, tokenizer) -> int:
-    """V: rows of the target's embedding (its config's vocab_size), else the tokenizer's size."""
-    from specforge_core.preflight import load_target_config
-
-    return int(load_target_config(cfg).vocab_size) if cfg.model.target else len(tokenizer)
+from specforge_core.cli import command_parser, load_run_config, run_command
 
 
 def prepare(cfg) -> dict:
     """ensure_prompt_cache + ensure_vocab_map for ``cfg``; returns the summary printed by main.
 
-    :func:`~specforge_core.preflight.check_data_inputs` runs first (tokenizer vs target vocab, draft
+    :func:`~specforge_core.runtime.preflight.check_data_inputs` runs first (tokenizer vs target vocab, draft
     vocab size, a given draft.vocab_map_path), so a refused run writes nothing.
     """
     from specforge_core.data.prompt_cache import ensure_prompt_cache
-    from specforge_core.preflight import check_data_inputs
-    from specforge_core.vocab import ensure_vocab_map
+    from specforge_core.runtime.preflight import check_data_inputs
+    from specforge_core.data.vocab import ensure_vocab_map
 
     checked = check_data_inputs(cfg)
     tokenizer, V = checked.tokenizer, checked.vocab_size
@@ -49,16 +39,9 @@ def prepare(cfg) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specforge_core.prepare", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="YAML run config")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=1024")
+    ap = command_parser(__doc__, "python -m specforge_core.prepare", overrides_example="data.max_length=1024")
     args = ap.parse_args(argv)
-    try:
-        print(json.dumps(prepare(load_config(args.config, args.overrides))), flush=True)
-    except SpecForgeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: prepare(load_run_config(args)))
 
 
 if __name__ == "__main__":

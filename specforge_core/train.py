@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load_plan(cfg, dataset_size: int, plan_path: str | None):
     """The run's prompt plan: the recorded one (checked against config + data) or a fresh one."""
-    from specforge_core.plan import PromptPlan
+    from specforge_core.run.plan import PromptPlan
 
     expected = PromptPlan.from_config(cfg, dataset_size)
     if plan_path is None:
@@ -59,18 +59,18 @@ def build(cfg, d, plan_path: str | None):
     from specforge_core.capture import build_capture_backend
     from specforge_core.data.prompt_cache import ensure_prompt_cache
     from specforge_core.data.tokenize import load_tokenizer
-    from specforge_core.export import save_draft_checkpoint_files, warm_start_draft
-    from specforge_core.models.draft_config import (
+    from specforge_core.drafts.eagle3.serving import save_draft_checkpoint_files, warm_start_draft
+    from specforge_core.drafts.eagle3.config import (
         draft_config_from_target,
         load_draft_config,
         serving_config_dict,
     )
-    from specforge_core.models.eagle3 import Eagle3DraftModel
-    from specforge_core.objective import eagle3_loss, summarize_metrics
+    from specforge_core.drafts.eagle3.model import Eagle3DraftModel
+    from specforge_core.drafts.eagle3 import eagle3_loss, summarize_metrics
     from specforge_core.runtime.checkpoint import latest_checkpoint
     from specforge_core.runtime.rollout import RolloutStream
     from specforge_core.runtime.trainer import Trainer, directory_identity, training_contract
-    from specforge_core.vocab import ensure_vocab_map, load_vocab_map
+    from specforge_core.data.vocab import ensure_vocab_map, load_vocab_map
 
     t = cfg.training
     # Every rank draws the same initial draft: FSDP keeps each rank's slice of its own copy.
@@ -93,7 +93,7 @@ def build(cfg, d, plan_path: str | None):
     draft.load_embedding(backend.embed_weight)
     draft.set_vocab_map(vocab.d2t, vocab.t2d)
     if t.compile and d.device.type == "cuda":
-        from specforge_core.compile import compile_pointwise
+        from specforge_core.runtime.compile import compile_pointwise
 
         compile_pointwise(draft)
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_world(cfg, d)
-        from specforge_core.preflight import check_run_inputs
+        from specforge_core.runtime.preflight import check_run_inputs
 
         check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
         with run_lock(cfg, d):

@@ -18,8 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from specforge_core.eval.report import chain_acceptance_length  # noqa: E402
-from tasks.torchrun import metrics_rows  # noqa: E402
+from specforge_core.decoding.report import chain_acceptance_length  # noqa: E402
+from tasks.process_group import metrics_rows  # noqa: E402
 
 ACC = re.compile(r"^acc_(\d+)$")
 

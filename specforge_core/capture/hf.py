@@ -29,8 +29,9 @@ import torch
 from specforge_core.capture import varlen
 from specforge_core.capture.base import CapturedBatch, TargetRequest, attention_mask_for, local_inputs, pad_right
 from specforge_core.capture.packing import layout_for
-from specforge_core.capture.target import resolve_capture_layers, resolve_dtype, text_config, validate_colocated
-from specforge_core.compile import compile_pointwise
+from specforge_core.capture.target_info import load_target_config, resolve_capture_layers, text_config, validate_colocated
+from specforge_core.runtime.device import resolve_dtype
+from specforge_core.runtime.compile import compile_pointwise
 from specforge_core.errors import ConfigError, ModelError
 
 
@@ -67,21 +68,18 @@ class HFCaptureBackend:
     @classmethod
     def from_config(cls, cfg, *, device: torch.device, draft_config=None) -> "HFCaptureBackend":
         """Load ``model.target`` (dtype from ``model.dtype``), check the run against it, hook it."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        if not cfg.model.target:
-            raise ConfigError("model.target is empty", where="model.target",
-                              fix="set model.target to a Hugging Face model directory")
+        target_config = load_target_config(cfg)
         load = dict(trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gguf_file:
             load["gguf_file"] = cfg.model.gguf_file
-        target_config = AutoConfig.from_pretrained(cfg.model.target, **load)
         validate_colocated(cfg, target_config)
         layer_ids = resolve_capture_layers(cfg, target_config, draft_config)
         dtype = resolve_dtype(cfg.model.dtype, device)
         if device.type == "cuda":
             load["device_map"] = str(device)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=dtype, **load)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.target, config=target_config, dtype=dtype, **load)
         return cls(model.to(device), layer_ids, compile=cfg.training.compile)
 
     @property

@@ -7,7 +7,7 @@ SGLang's internal APIs (``ModelRunner``, ``ScheduleBatch``, ``ForwardBatch``) ch
 versions, so bumping the pin means re-reading them and re-testing this file on a GPU node; nothing
 else in the project changes. A test scans the package and fails if ``sglang`` is imported anywhere
 else. CPU tests drive the sglang backend through ``fake_engine.FakeSGLangEngine``, which honours
-the same :class:`~specforge_core.capture.sglang.CaptureEngine` contract.
+the same :class:`~specforge_core.capture.sglang_backend.CaptureEngine` contract.
 
 Why drive ``ModelRunner`` and not ``sglang.Engine``: the engine's public path
 (``enable_return_aux_hidden_states`` + ``return_aux_hidden_state_layer_ids`` with
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specforge_core.capture.sglang import PackedCapture
+from specforge_core.capture.sglang_backend import PackedCapture
 from specforge_core.errors import CaptureError
 
 SGLANG_VERSION = "0.5.23"

@@ -46,7 +46,7 @@ import torch
 
 from specforge_core.capture.base import CaptureBackend, CapturedBatch, TargetRequest
 from specforge_core.errors import CaptureError, DataError
-from specforge_core.plan import IslandBatch, PromptPlan
+from specforge_core.run.plan import IslandBatch, PromptPlan
 
 
 @dataclass

@@ -35,7 +35,7 @@ from torch import nn
 from specforge_core.capture.base import CapturedBatch
 from specforge_core.config import RunConfig, dump_config
 from specforge_core.errors import ResumeError
-from specforge_core.plan import PromptPlan
+from specforge_core.run.plan import PromptPlan
 from specforge_core.runtime.checkpoint import (
     TRAIN_STATE,
     check_resume,

@@ -46,14 +46,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-import specforge_core.config
+import specforge_core.config.__main__
 import specforge_core.prepare
 import specforge_core.train
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 CASES = sorted((HERE / "cases").glob("*/*.yaml"))
-COMMANDS = {"prepare": specforge_core.prepare, "config": specforge_core.config, "train": specforge_core.train}
+COMMANDS = {"prepare": specforge_core.prepare, "config": specforge_core.config.__main__, "train": specforge_core.train}
 GOOD_ROWS = [
     {"conversations": [{"role": "user", "content": "Hello, what is the capital of France?"},
                        {"role": "assistant", "content": "The capital of France is Paris."}]},
@@ -110,7 +110,7 @@ def make_vocab_maps(case: dict, root: Path) -> None:
     import numpy as np
     import torch
 
-    from specforge_core.vocab import select_draft_vocab
+    from specforge_core.data.vocab import select_draft_vocab
 
     for name, (V, Vd) in (case.get("vocab_maps") or {}).items():
         d2t, t2d = select_draft_vocab(np.zeros(V, dtype=np.int64), Vd)
@@ -120,7 +120,7 @@ def make_vocab_maps(case: dict, root: Path) -> None:
 def make_draft_configs(case: dict, root: Path, tiny_target: Path) -> None:
     from transformers import AutoConfig
 
-    from specforge_core.models.draft_config import draft_config_from_target, serving_config_dict
+    from specforge_core.drafts.eagle3.config import draft_config_from_target, serving_config_dict
 
     for name, patch in (case.get("draft_configs") or {}).items():
         generated = serving_config_dict(draft_config_from_target(AutoConfig.from_pretrained(tiny_target), 32))

@@ -17,6 +17,6 @@ def make_request(lengths, local=None, seed=0, vocab=500) -> TargetRequest:
 
 @pytest.fixture(scope="session")
 def tiny_tied_dir(tmp_path_factory):
-    from specforge_core.models.tiny import build_tiny_target
+    from fixtures.tiny import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-tied"), arch="llama", tie_word_embeddings=True)

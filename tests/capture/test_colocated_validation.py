@@ -8,7 +8,7 @@ tests/core/test_config.py.
 import pytest
 from transformers import LlamaConfig
 
-from specforge_core.capture.target import validate_colocated
+from specforge_core.capture.target_info import validate_colocated
 from specforge_core.config import load_config
 from specforge_core.errors import ConfigError, ModelError
 

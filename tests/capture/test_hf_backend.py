@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from specforge_core.capture import build_capture_backend
 from specforge_core.capture.base import CapturedBatch
 from specforge_core.capture.hf import HFCaptureBackend
-from specforge_core.capture.target import default_capture_layers
+from specforge_core.capture.target_info import default_capture_layers
 from specforge_core.config import load_config
 from specforge_core.errors import ConfigError, ModelError
 

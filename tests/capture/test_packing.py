@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specforge_core.capture import build_capture_backend
-from specforge_core.capture.fake_engine import FakeSGLangEngine
+from fixtures.fake_sglang import FakeSGLangEngine
 from specforge_core.capture.hf import HFCaptureBackend
 from specforge_core.capture.packing import RowLayout, balanced_rows
 from specforge_core.config import load_config

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from specforge_core.capture import build_capture_backend
-from specforge_core.capture.fake_engine import FakeSGLangEngine
+from fixtures.fake_sglang import FakeSGLangEngine
 from specforge_core.capture.hf import HFCaptureBackend
-from specforge_core.capture.sglang import PackedCapture, SGLangCaptureBackend
+from specforge_core.capture.sglang_backend import PackedCapture, SGLangCaptureBackend
 from specforge_core.config import load_config
 from specforge_core.errors import CaptureError
 

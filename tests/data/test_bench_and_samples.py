@@ -4,7 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from specforge_core.data.samples import write_chitchat_jsonl
+from fixtures.chitchat import write_chitchat_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from specforge_core.data.prompt_cache import ensure_prompt_cache, prompt_cache_key
-from specforge_core.models.tiny import CHATML_TEMPLATE, build_tokenizer
+from fixtures.tiny import CHATML_TEMPLATE, build_tokenizer
 
 from .conftest import CHAT, write_jsonl
 

@@ -9,7 +9,7 @@ import torch
 
 from specforge_core.data.prompt_cache import ensure_prompt_cache
 from specforge_core.errors import ModelError
-from specforge_core.vocab import ensure_vocab_map, load_vocab_map, select_draft_vocab, token_counts
+from specforge_core.data.vocab import ensure_vocab_map, load_vocab_map, select_draft_vocab, token_counts
 
 V = 512
 

@@ -62,7 +62,7 @@ def tiny_config(root: Path, target: Path, *, conversations: int = 400, **section
     ``sections`` update single fields, e.g. ``training={"max_steps": 40}``."""
     import yaml
 
-    from specforge_core.data.samples import write_chitchat_jsonl
+    from fixtures.chitchat import write_chitchat_jsonl
 
     cfg = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
     data = root / "chitchat.jsonl"

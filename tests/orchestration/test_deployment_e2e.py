@@ -18,8 +18,8 @@ from prefect.client.schemas.filters import FlowRunFilter, LogFilter
 
 from deployments.local_stack import PROJECT_DIR, LocalPrefect
 from specforge_core.runtime.checkpoint import latest_checkpoint
-from tasks.torchrun import tree_members
-from tasks.train import TREE_FILE, run_dir_for
+from tasks.process_group import tree_members
+from tasks.training import TREE_FILE, run_dir_for
 from tests.orchestration.conftest import alive, tiny_config, wait_for
 
 pytestmark = pytest.mark.slow

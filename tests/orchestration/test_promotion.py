@@ -2,7 +2,7 @@
 
 import json
 
-from tasks.promote import RECORD, install_draft, promoted_record, promotion_decision
+from tasks.promotion import RECORD, install_draft, promoted_record, promotion_decision
 
 
 def test_the_first_draft_is_promoted():

@@ -10,9 +10,9 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter
 
 from specforge_core.config import RunConfig
-from specforge_core.plan import PromptPlan
+from specforge_core.run.plan import PromptPlan
 from tasks.caching import run_cached
-from tasks.prepare import build_vocab_map, plan_key, prepare_prompt_cache, record_plan, stage_keys
+from tasks.data_stages import build_vocab_map, plan_key, prepare_prompt_cache, record_plan, stage_keys
 from tests.orchestration.conftest import tiny_config
 
 

@@ -12,7 +12,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, LogFilter
 from prefect.logging.handlers import APILogWorker
 
-from tasks.torchrun import TREE_TOKEN_ENV, LineBudget, ProcessGroupFailed, kill_recorded_tree, stop_process_tree
+from tasks.process_group import TREE_TOKEN_ENV, LineBudget, ProcessGroupFailed, kill_recorded_tree, stop_process_tree
 from tests.orchestration.conftest import alive, read_pids, wait_for
 from tests.orchestration.fixtures.launcher_flow import FAKE_LAUNCHER, launcher_flow
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from specforge_core.config import RunConfig
-from tasks.train import config_file, run_dir_for, torchrun_command
+from tasks.training import config_file, run_dir_for, torchrun_command
 
 
 def _cmd(monkeypatch, prefix: str = "", **deployment) -> list[str]:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specforge_core.data.samples import write_chitchat_jsonl
+from fixtures.chitchat import write_chitchat_jsonl
 
 from specforge_core.config import apply_overrides, config_from_dict
 from tests.data.conftest import CHAT, write_jsonl

@@ -31,8 +31,8 @@ WARMUP_S = 120  # the first epoch touches the memory-mapped cache and the alloca
 
 
 def setup(workdir: Path) -> Path:
-    from specforge_core.data.samples import write_chitchat_jsonl
-    from specforge_core.models.tiny import build_tiny_target
+    from fixtures.chitchat import write_chitchat_jsonl
+    from fixtures.tiny import build_tiny_target
 
     target = workdir / "tiny-target"
     if not (target / "config.json").exists():

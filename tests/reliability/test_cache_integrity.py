@@ -10,7 +10,7 @@ import pytest
 from specforge_core.data.prompt_cache import ensure_prompt_cache
 from specforge_core.errors import DataError
 from specforge_core.prepare import main as prepare_main
-from specforge_core.vocab import ensure_vocab_map
+from specforge_core.data.vocab import ensure_vocab_map
 
 from .conftest import write_config
 

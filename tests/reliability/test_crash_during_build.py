@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from specforge_core.data.prompt_cache import ensure_prompt_cache, prompt_cache_key
-from specforge_core.vocab import ensure_vocab_map, vocab_map_key
+from specforge_core.data.vocab import ensure_vocab_map, vocab_map_key
 from tests.data.conftest import CHAT, write_jsonl
 
 from .conftest import write_config

@@ -5,7 +5,7 @@ import sys
 
 import yaml
 
-from specforge_core.data.samples import write_chitchat_jsonl
+from fixtures.chitchat import write_chitchat_jsonl
 from specforge_core.runtime.checkpoint import latest_checkpoint, read_train_state
 
 from .test_train_cli import ROOT

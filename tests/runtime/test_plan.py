@@ -6,7 +6,7 @@ import pytest
 
 from specforge_core.config import load_config
 from specforge_core.errors import ConfigError, ResumeError
-from specforge_core.plan import PromptPlan, epoch_permutation
+from specforge_core.run.plan import PromptPlan, epoch_permutation
 
 
 def plan(**kw) -> PromptPlan:

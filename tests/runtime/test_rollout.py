@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from specforge_core.capture import build_capture_backend
-from specforge_core.capture.fake_engine import FakeSGLangEngine
+from fixtures.fake_sglang import FakeSGLangEngine
 from specforge_core.config import load_config
 from specforge_core.errors import CaptureError, DataError
-from specforge_core.plan import IslandBatch, PromptPlan
+from specforge_core.run.plan import IslandBatch, PromptPlan
 from specforge_core.runtime.rollout import RolloutStream
 
 
@@ -221,7 +221,7 @@ def test_a_datasets_dataset_works_as_the_rows(backends):
 
 def test_the_runtime_does_not_import_datasets():
     code = (
-        "import sys, specforge_core.runtime.rollout, specforge_core.capture.hf, specforge_core.capture.sglang;"
+        "import sys, specforge_core.runtime.rollout, specforge_core.capture.hf, specforge_core.capture.sglang_backend;"
         "assert 'datasets' not in sys.modules, 'datasets was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -19,9 +19,9 @@ import yaml
 from safetensors.torch import load_file
 
 from specforge_core.config import load_config
-from specforge_core.data.samples import write_chitchat_jsonl
+from fixtures.chitchat import write_chitchat_jsonl
 from specforge_core.errors import ConfigError
-from specforge_core.plan import PromptPlan
+from specforge_core.run.plan import PromptPlan
 from specforge_core.runtime.checkpoint import checkpoints_dir, latest_checkpoint
 from specforge_core.runtime.metrics import METRICS_FILE
 from specforge_core.train import load_plan, main

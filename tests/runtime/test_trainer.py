@@ -16,7 +16,7 @@ from torch import nn
 from specforge_core.capture import build_capture_backend
 from specforge_core.config import config_from_dict
 from specforge_core.errors import ResumeError
-from specforge_core.plan import PromptPlan
+from specforge_core.run.plan import PromptPlan
 from specforge_core.runtime.checkpoint import latest_checkpoint
 from specforge_core.runtime.distributed import close_distributed, init_distributed
 from specforge_core.runtime.metrics import METRICS_FILE

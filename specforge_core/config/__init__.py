@@ -1,0 +1,434 @@
+"""The run configuration: one pydantic model tree, loaded from YAML, with dotted overrides.
+
+    python -m specforge_core.config --config examples/tiny-cpu.yaml            # print resolved
+    python -m specforge_core.config --config C.yaml training.learning_rate=5e-5
+    python -m specforge_core.config --schema                                   # JSON schema
+
+Sections: ``model`` (the target), ``data``, ``draft``, ``training``, ``capture``,
+``deployment``, ``output``, ``validation``. Unknown keys and keys given twice are rejected
+everywhere; every error names the dotted field and the fix, and never echoes storage options.
+Rules that need the target's own config (context length, layer count) are checked where the
+target is loaded (``specforge_core.capture.target_info.validate_colocated``), not here.
+"""
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specforge_core.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The target model whose drafts we train."""
+
+    target: str = Field(
+        "", description="Target model: a local Hugging Face directory (config.json + weights)."
+    )
+    gguf_file: str | None = Field(None, description="GGUF file name inside `target`, if loading from GGUF.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to `target`.")
+    chat_template: str | None = Field(
+        None, description="Jinja chat template overriding the tokenizer's own (needed if it has none)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Target weights dtype; auto = bfloat16 on CUDA, float32 on CPU."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint (off by default).")
+    capture_layer_ids: list[int] | None = Field(
+        None,
+        description="Target layers whose outputs feed the draft (3 distinct ids, output-of-layer "
+        "convention); default [1, N//2-1, N-4].",
+    )
+
+    @field_validator("capture_layer_ids")
+    @classmethod
+    def _three_distinct(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if len(v) != 3 or len(set(v)) != 3 or min(v) < 0:
+            raise ValueError(
+                f"needs exactly 3 distinct non-negative layer ids, got {v}; "
+                "remove it to use the default [1, N//2-1, N-4]"
+            )
+        return v
+
+
+class DataConfig(_Section):
+    """Conversations in, tokenized prompt cache out."""
+
+    train_files: list[str] = Field(
+        default_factory=list, description="JSONL / JSON-array files at any fsspec URL."
+    )
+    eval_files: list[str] = Field(default_factory=list, description="Held-out prompts (never trained on).")
+    eval_holdout: int = Field(
+        0, ge=0, description="Rows split off the training data for evaluation when no eval_files are given."
+    )
+    format: Literal["auto", "conversations", "sharegpt", "messages", "text", "tokenized"] = Field(
+        "auto", description="Row shape; auto detects it per file from the first row."
+    )
+    max_length: int = Field(2048, gt=1, description="Right-truncate tokenized rows to this many tokens.")
+    train_only_last_turn: bool = Field(False, description="Supervise only the last assistant turn.")
+    min_loss_tokens: int = Field(1, ge=1, description="Drop rows with fewer supervised tokens.")
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error", description="error: stop at the first bad row; skip: drop and count bad rows."
+    )
+    max_rows: int | None = Field(None, gt=0, description="Use at most this many source rows.")
+    cache_dir: str = Field("cache", description="Where prompt caches and vocab maps are stored.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec storage options (credentials are never logged)."
+    )
+
+    @field_validator("train_files", "eval_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class DraftConfig(_Section):
+    """The EAGLE3 draft model."""
+
+    config_path: str | None = Field(None, description="Draft config JSON; generated from the target if unset.")
+    draft_vocab_size: int = Field(32000, gt=0, description="Draft vocabulary size Vd (≤ target vocab).")
+    init_from: str | None = Field(
+        None, description="Warm start from an exported draft directory (its vocab map is kept)."
+    )
+    vocab_map_path: str | None = Field(None, description="Use this d2t/t2d file instead of building one.")
+    fc_norm: bool = Field(False, description="RMSNorm each captured chunk before fc (EAGLE3.1).")
+    attention_backend: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="auto = flex attention on CUDA, sdpa on CPU."
+    )
+
+
+class TrainingConfig(_Section):
+    seed: int = 42
+    num_epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    batch_size: int = Field(1, ge=1, description="Samples per rank per micro-step.")
+    accumulation_steps: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    lr_scheduler: Literal["cosine", "constant"] = "cosine"
+    warmup_ratio: float = Field(0.015, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(0.5, gt=0)
+    ttt_length: int = Field(7, ge=1, le=16, description="Unrolled training-time-test steps K.")
+    ploss_decay: float = Field(0.8, gt=0, le=1, description="Weight of step k is decay**k.")
+    tp_size: int = Field(1, ge=1, description="Target tensor-parallel island width.")
+    sp_size: int = Field(1, ge=1, description="Sequence parallelism (must be 1 for local_colocated).")
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Draft parameter dtype; bfloat16 keeps fp32 master weights."
+    )
+    token_budget: int | None = Field(
+        None, gt=0, description="Pack samples into rows of at most this many tokens (None: pad per batch)."
+    )
+    compile: bool = Field(
+        False, description="torch.compile the draft's and the hf target's norms and MLPs (GPU; +14% end to end)."
+    )
+    save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0: end only).")
+    keep_checkpoints: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
+    log_interval: int = Field(10, ge=1)
+    resume: Literal["auto", "never", "must"] = Field(
+        "auto", description="auto: resume from the latest checkpoint if present."
+    )
+
+
+# ServerArgs fields that capture/sglang_args.py resolves itself; `capture.sglang.extra` may not set them.
+SGLANG_RESOLVED_FIELDS = (
+    "model_path", "dtype", "trust_remote_code", "skip_tokenizer_init", "tp_size", "pp_size", "dp_size",
+    "ep_size", "mem_fraction_static", "attention_backend", "context_length", "max_running_requests",
+    "max_total_tokens", "chunked_prefill_size", "disable_cuda_graph", "disable_radix_cache",
+    "enable_return_hidden_states", "random_seed",
+)
+
+
+class SGLangConfig(_Section):
+    """Arguments of the in-process SGLang engine (GPU nodes only)."""
+
+    mem_fraction_static: float = Field(0.4, gt=0, le=1)
+    attention_backend: str = "flashinfer"
+    context_length: int | None = Field(None, gt=0)
+    max_running_requests: int | None = Field(None, gt=0)
+    max_total_tokens: int | None = Field(None, gt=0)
+    dp_size: int = Field(1, ge=1)
+    ep_size: int = Field(1, ge=1)
+    enable_dp_attention: bool = False
+    disable_radix_cache: bool = True
+    extra: dict[str, Any] = Field(default_factory=dict, description="Further ServerArgs fields, verbatim.")
+
+    @field_validator("extra")
+    @classmethod
+    def _extra_does_not_override(cls, v: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(v) & set(SGLANG_RESOLVED_FIELDS))
+        if owned:
+            raise ValueError(
+                f"sets {', '.join(owned)}, which the run resolves itself; set them through their own "
+                "fields (capture.sglang.*, training.tp_size, data.max_length, model.*) instead"
+            )
+        return v
+
+
+class CaptureConfig(_Section):
+    backend: Literal["hf", "sglang"] = "hf"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    teacher_chunk_size: int = Field(32768, gt=0, description="Vocab chunk for the streamed teacher.")
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+
+    @model_validator(mode="after")
+    def _sglang_engine_shape(self) -> "CaptureConfig":
+        """One SGLang engine per target island: GPU only, no engine-level data parallelism."""
+        if self.backend != "sglang":
+            return self
+        if self.device == "cpu":
+            raise ValueError(
+                "capture.device=cpu: the sglang backend runs on GPUs only; "
+                "set capture.device to auto or cuda, or use capture.backend=hf"
+            )
+        if self.sglang.dp_size != 1:
+            raise ValueError(
+                f"capture.sglang.dp_size={self.sglang.dp_size}: in local_colocated each target island is "
+                "one SGLang TP group and islands are the data parallelism; set capture.sglang.dp_size=1 "
+                "and add ranks (deployment.nproc_per_node) for more islands"
+            )
+        if self.sglang.enable_dp_attention:
+            raise ValueError(
+                "capture.sglang.enable_dp_attention=true needs SGLang data parallelism, which "
+                "local_colocated does not use; set capture.sglang.enable_dp_attention=false"
+            )
+        return self
+
+
+class DeploymentConfig(_Section):
+    mode: Literal["local_colocated"] = "local_colocated"
+    nproc_per_node: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    rdzv_endpoint: str | None = Field(None, description="host:port for multi-node c10d rendezvous.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class OutputConfig(_Section):
+    dir: str = Field("runs/default", description="Run directory: checkpoints, metrics, export, report.")
+    on_busy: Literal["fail", "wait"] = Field(
+        "fail", description="If another run holds the directory: fail (naming it) or wait."
+    )
+
+
+class ValidationConfig(_Section):
+    enabled: bool = True
+    num_steps: int = Field(3, ge=1, description="Draft tokens proposed per verify round.")
+    max_new_tokens: int = Field(128, ge=1)
+    num_prompts: int = Field(32, ge=1)
+    promote_margin: float = Field(
+        0.0, ge=0, description="Promote a new draft only if acceptance length beats the promoted one by this."
+    )
+    promoted_dir: str | None = Field(None, description="Where the promoted draft lives (scheduled retraining).")
+
+
+class RunConfig(_Section):
+    """The whole run: what the Prefect form renders and ``--config`` files hold."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+
+    @model_validator(mode="after")
+    def _colocated_topology(self) -> "RunConfig":
+        t, d = self.training, self.deployment
+        if t.sp_size != 1:
+            raise ValueError(
+                f"training.sp_size={t.sp_size}: sequence parallelism is not supported in "
+                "deployment.mode=local_colocated; set training.sp_size=1"
+            )
+        if d.world_size % t.tp_size:
+            raise ValueError(
+                f"training.tp_size={t.tp_size} must divide the world size "
+                f"(deployment.nproc_per_node × nnodes = {d.world_size}); "
+                "change training.tp_size or deployment.nproc_per_node"
+            )
+        if self.capture.backend == "sglang":
+            self._check_sglang_capacity()
+        return self
+
+    def _check_sglang_capacity(self) -> None:
+        """The engine must hold one TP-wide batch: tp_size × batch_size rows of max_length tokens."""
+        t, s, max_len = self.training, self.capture.sglang, self.data.max_length
+        rows = t.tp_size * t.batch_size
+        if t.tp_size % s.ep_size:
+            raise ValueError(
+                f"capture.sglang.ep_size={s.ep_size} must divide training.tp_size={t.tp_size} "
+                "(experts are sharded inside the island's TP group); set capture.sglang.ep_size to a "
+                "divisor of training.tp_size"
+            )
+        if s.max_running_requests is not None and s.max_running_requests < rows:
+            raise ValueError(
+                f"capture.sglang.max_running_requests={s.max_running_requests} is below one TP-wide batch "
+                f"(training.tp_size × training.batch_size = {rows}); raise it to ≥ {rows} or remove it"
+            )
+        if s.max_total_tokens is not None and s.max_total_tokens < rows * max_len:
+            raise ValueError(
+                f"capture.sglang.max_total_tokens={s.max_total_tokens} cannot hold one TP-wide batch "
+                f"({rows} rows × data.max_length {max_len} = {rows * max_len} tokens); "
+                f"raise it to ≥ {rows * max_len} or remove it"
+            )
+        if s.context_length is not None and s.context_length < max_len:
+            raise ValueError(
+                f"capture.sglang.context_length={s.context_length} is shorter than data.max_length={max_len}; "
+                f"raise it to ≥ {max_len} or remove it (default: data.max_length)"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _closest(name: str, options: list[str]) -> str:
+    hit = difflib.get_close_matches(name, options, n=1)
+    return f"; did you mean '{hit[0]}'?" if hit else f"; allowed keys: {', '.join(sorted(options))}"
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class that owns the field at ``loc`` (for unknown-key hints)."""
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _explain(err: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"])
+        dotted = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(loc)
+            hint = _closest(str(loc[-1]), list(owner.model_fields)) if owner else ""
+            lines.append(f"{dotted}: unknown key{hint}")
+        else:
+            got = e.get("input")
+            secret = loc[:2] == ("data", "storage_options")  # credentials are never echoed
+            shown = "" if isinstance(got, dict) or got is None or secret else f" (got {got!r})"
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{dotted}: {msg}{shown}")
+    return ConfigError(
+        "invalid configuration:\n  " + "\n  ".join(lines),
+        where=source,
+        fix="correct the named fields (python -m specforge_core.config --schema lists them all)",
+    )
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # merge keys (<<) may be overridden by design
+            key = key_node.value
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}': the second value would silently replace the first; "
+                    "keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` → (["a","b","c"], value parsed as YAML scalar/list)."""
+    if "=" not in item:
+        raise ConfigError(
+            f"override {item!r} is not of the form section.key=value",
+            fix="write e.g. training.learning_rate=5e-5",
+        )
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override {item!r} has an empty key", fix="write e.g. training.learning_rate=5e-5")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Return a copy of ``data`` with each dotted override set (intermediate dicts created)."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for part in path[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(
+                    f"override {item!r}: '{part}' is a value, not a section", fix="check the dotted path"
+                )
+            node = nxt
+        node[path[-1]] = value
+    return out
+
+
+def config_from_dict(data: dict, *, source: str = "<config>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise _explain(err, source) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load YAML (or JSON) at ``path`` (None: all defaults), then apply dotted overrides."""
+    data: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError("config file not found", where=source, fix="pass an existing YAML file to --config")
+        try:
+            loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"not valid YAML: {e}", where=source, fix="fix the YAML syntax") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"top level must be a mapping of sections, got {type(loaded).__name__}",
+                where=source,
+                fix="start the file with sections such as `model:` and `data:`",
+            )
+        data = loaded
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source += " + overrides"
+    return config_from_dict(data, source=source)
+
+
+def dump_config(cfg: RunConfig) -> dict:
+    """Plain dict of the config with credentials removed (safe for logs, artifacts, checkpoints)."""
+    out = cfg.model_dump(mode="json")
+    if out["data"].get("storage_options"):
+        out["data"]["storage_options"] = {k: "***" for k in out["data"]["storage_options"]}
+    return out
+
+
+def json_schema() -> dict:
+    return RunConfig.model_json_schema()

@@ -1,0 +1,177 @@
+"""The target at decode time: a batch of sequences, a KV cache, and the draft's aux states.
+
+``DecodingTarget`` wraps a Hugging Face causal LM for speculative and plain greedy decoding of
+several prompts at once (one row each). ``start(prompts)`` prefills them; each
+``forward(tokens)`` appends tokens to every row (positions continue per row), returns the target's
+greedy choice after every new token and the captured aux states ``[m, 3·Ht]`` per row (the
+outputs of the capture layers, concatenated low → high, exactly the features the draft is
+trained on). ``reject(row, n)`` drops a row's rejected tokens; ``keep_rows`` lets finished rows
+leave the batch. Batching only amortises the weight reads: each row is decoded as if alone.
+
+Capture-layer convention (specforge-facts §16.5): layer id i is the output of decoder layer i,
+i.e. Hugging Face ``hidden_states[i + 1]``; ``capture.target.resolve_capture_layers`` picks them.
+"""
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specforge_core.runtime.device import resolve_device, resolve_dtype
+from specforge_core.errors import ModelError
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ModelError(
+            f"{type(model).__name__} has no `model.layers`; cannot hook the capture layers",
+            where="model.target",
+            fix="use a decoder-only causal LM with the usual transformers layout (Llama, Qwen, Mistral...)",
+        )
+    return layers
+
+
+@dataclass
+class TargetStep:
+    """What one target forward gives back, per batch row."""
+
+    greedy: list[list[int]]  # per row: the argmax after each new token (prefill: after the last only)
+    aux: list[torch.Tensor]  # per row: [m, 3·Ht], the capture layers' outputs concatenated low → high
+
+
+class DecodingTarget:
+    """A frozen HF causal LM decoding a batch of sequences with a ``DynamicCache`` and capture hooks.
+
+    Rows are independent sequences. The cache is never cropped: every forward appends the same
+    number of columns to every row, and ``reject`` masks a row's rejected columns out of all
+    later attention (they stay in the cache as dead columns). Each row's RoPE positions count only
+    its live tokens, so a row computes exactly what it would alone, up to float rounding.
+    Guarantees: ``lengths[r]`` is row r's number of live tokens; ``forward`` runs the new tokens
+    of row r at positions ``lengths[r] .. lengths[r]+m-1`` in one pass.
+    """
+
+    def __init__(self, model, capture_layer_ids: list[int]):
+        self.model = model.eval()
+        layers = _decoder_layers(model)
+        self.capture_layer_ids = list(capture_layer_ids)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = [
+            layers[i].register_forward_hook(self._hook_for(i)) for i in self.capture_layer_ids
+        ]
+        self.device = next(model.parameters()).device
+        # transformers ≥ 5.2x names the cache argument `cache`; earlier versions `past_key_values`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def _hook_for(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            self._captured[layer_id] = hidden
+
+        return hook
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, *, last_only: bool):
+        self._captured.clear()
+        out = self.model(
+            input_ids=ids, attention_mask=self.live, position_ids=positions, use_cache=True,
+            logits_to_keep=1 if last_only else 0, **{self._cache_arg: self.cache}
+        )
+        aux = torch.cat([self._captured[i] for i in self.capture_layer_ids], dim=-1)
+        self._captured.clear()
+        return out.logits.argmax(-1).tolist(), aux
+
+    @torch.inference_mode()
+    def start(self, prompts: list[list[int]]) -> TargetStep:
+        """Forget everything and prefill ``prompts`` (one row each, left-padded into one forward).
+
+        Returns each row's greedy choice after its prompt and the aux states of its prompt tokens.
+        """
+        from transformers import DynamicCache
+
+        if not prompts or not all(prompts):
+            raise ValueError("cannot decode an empty prompt")
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        self.live = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        self.lengths = self.live.sum(-1)
+        self.cache = DynamicCache(config=self.model.config)
+        greedy, aux = self._run(ids, (self.live.cumsum(-1) - 1).clamp(min=0), last_only=True)
+        return TargetStep(greedy=greedy, aux=[aux[r, width - len(p) :] for r, p in enumerate(prompts)])
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[list[int]]) -> TargetStep:
+        """Append ``tokens[r]`` (the same count m for every row) to row r; greedy choice after each
+        new token and their aux states."""
+        m = len(tokens[0])
+        if any(len(t) != m for t in tokens) or len(tokens) != len(self.lengths):
+            raise ValueError(f"need {len(self.lengths)} rows of {m} tokens each")
+        ids = torch.tensor(tokens, device=self.device)
+        positions = self.lengths[:, None] + torch.arange(m, device=self.device)
+        self.live = torch.cat([self.live, self.live.new_ones(len(tokens), m)], dim=1)
+        self.lengths = self.lengths + m
+        greedy, aux = self._run(ids, positions, last_only=False)
+        return TargetStep(greedy=greedy, aux=list(aux))
+
+    @torch.inference_mode()
+    def reject(self, row: int, count: int) -> None:
+        """Drop the last ``count`` tokens of ``row`` (rejected drafts): later forwards never see them."""
+        if count:
+            self.live[row, -count:] = 0
+            self.lengths[row] -= count
+
+    @torch.inference_mode()
+    def keep_rows(self, rows: list[int]) -> None:
+        """Continue with only these rows (finished sequences leave the batch)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.live, self.lengths = self.live[index], self.lengths[index]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def load_target(cfg):
+    """(model, tokenizer) for ``cfg.model`` on ``cfg.capture.device``, frozen, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from specforge_core.data.tokenize import load_tokenizer
+
+    m = cfg.model
+    if not m.target or not Path(m.target).exists():
+        raise ModelError(
+            f"target model directory {m.target!r} not found",
+            where="model.target",
+            fix="point model.target at a local Hugging Face model directory",
+        )
+    device = resolve_device(cfg.capture.device)
+    extra = {"gguf_file": m.gguf_file} if m.gguf_file else {}
+    tok = load_tokenizer(cfg)
+    model = AutoModelForCausalLM.from_pretrained(
+        m.target, dtype=resolve_dtype(m.dtype, device), trust_remote_code=m.trust_remote_code, **extra
+    )
+    model.to(device).eval().requires_grad_(False)
+    return model, tok
+
+
+def stop_token_ids(model, tokenizer, end_of_turn: str | None = None) -> set[int]:
+    """End-of-turn ids: the tokenizer's eos, every eos id of the generation config, and the chat
+    template's end-of-turn token (``data.tokenize.ChatRenderer.end_of_turn``) when given."""
+    ids: set[int] = set()
+    if end_of_turn is not None:
+        ids.add(tokenizer.convert_tokens_to_ids(end_of_turn))
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.update(source if isinstance(source, (list, tuple)) else [source])
+    if not ids:
+        raise ModelError(
+            "the tokenizer names no end-of-turn (eos) token, so generation could not stop",
+            where="model.tokenizer",
+            fix="use a chat tokenizer with eos_token set (e.g. <|im_end|> for ChatML)",
+        )
+    return ids

@@ -1,0 +1,231 @@
+"""EAGLE3 draft configurations: generated from a target config, or read from a draft JSON.
+
+    from specforge_core.drafts.eagle3.config import draft_config_from_target
+    cfg = draft_config_from_target(AutoConfig.from_pretrained(target_dir), draft_vocab_size=32000)
+
+A draft config is a transformers ``LlamaConfig`` with one decoder layer and the EAGLE3 fields
+(``draft_vocab_size``, ``target_hidden_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids``,
+optional ``fc_norm``). It works for Llama, Qwen2, Qwen3 and Mistral-style targets: their RoPE is
+copied as transformers 5 ``rope_parameters`` (legacy ``rope_theta``/``rope_scaling`` are read too)
+and evaluated later by transformers' own RoPE code, so the draft rotates exactly like the target.
+
+``serving_config_dict`` is the ``config.json`` an export writes: what SGLang and vLLM read
+(``architectures: [LlamaForCausalLMEagle3]``, both RoPE field forms, capture layer ids).
+"""
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import LlamaConfig, PretrainedConfig
+
+from specforge_core.errors import ModelError
+
+DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+NUM_AUX_HIDDEN_STATES = 3
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+# Target fields the draft inherits as they are (a field the target lacks keeps LlamaConfig's default).
+_INHERITED_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "hidden_act",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+)
+# EAGLE3 variants we do not implement; a draft JSON asking for them is refused, not half-honoured.
+_UNSUPPORTED_FLAGS = {"norm_before_fc": True, "norm_output": False, "attention_bias": True, "mlp_bias": True}
+
+
+def default_capture_layer_ids(num_layers: int) -> list[int]:
+    """The EAGLE3 default ``[1, N//2 - 1, N - 4]`` (output-of-layer convention)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def check_capture_layer_ids(
+    ids: list[int] | None, num_layers: int, where: str = "model.capture_layer_ids"
+) -> list[int]:
+    """Return the capture ids to use (``ids`` or the default), checked against ``num_layers``.
+
+    Raises ModelError when there are not exactly 3 distinct ids inside ``[0, num_layers)``; the
+    default fails that for targets with fewer than 7 layers, and the message says to set the ids.
+    """
+    chosen = list(default_capture_layer_ids(num_layers) if ids is None else ids)
+    bad = len(chosen) != NUM_AUX_HIDDEN_STATES or len(set(chosen)) != len(chosen)
+    bad = bad or any(not isinstance(i, int) or i < 0 or i >= num_layers for i in chosen)
+    if bad:
+        origin = "the default [1, N//2-1, N-4]" if ids is None else "the configured ids"
+        raise ModelError(
+            f"capture layer ids {chosen} ({origin}) do not fit a target with {num_layers} layers: "
+            f"need 3 distinct ids in [0, {num_layers - 1}]",
+            where=where,
+            fix=f"set {where} to 3 distinct layer ids between 0 and {num_layers - 1}, e.g. low, middle, high",
+        )
+    return chosen
+
+
+def rope_parameters_of(config: Any, where: str = "rope") -> dict:
+    """The RoPE of a config as one flat transformers-5 ``rope_parameters`` dict.
+
+    Reads ``rope_parameters`` (transformers 5) or legacy ``rope_theta`` + ``rope_scaling`` (an
+    object or a plain dict). Per-layer-type nested parameters use their ``full_attention`` entry.
+    Raises ModelError for RoPE types other than ``SUPPORTED_ROPE_TYPES``.
+    """
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    params = copy.deepcopy(get("rope_parameters", None) or get("rope_scaling", None) or {})
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = dict(params["full_attention"])
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.pop("type", None)
+    theta = params.get("rope_theta", get("rope_theta", None))
+    params["rope_theta"] = float(theta if theta is not None else 10000.0)
+    params.pop("mrope_section", None)  # multimodal sections do not apply to a text-only draft
+    params.pop("mrope_interleaved", None)
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ModelError(
+            f"RoPE type {params['rope_type']!r} is not supported by the EAGLE3 draft",
+            where=where,
+            fix=f"use a target whose RoPE is one of {', '.join(SUPPORTED_ROPE_TYPES)}, "
+            "or give draft.config_path a draft JSON with a supported rope_parameters",
+        )
+    return params
+
+
+def draft_config_from_target(
+    target_config: PretrainedConfig,
+    draft_vocab_size: int,
+    capture_layer_ids: list[int] | None = None,
+    fc_norm: bool = False,
+) -> LlamaConfig:
+    """Generate the draft config for ``target_config`` (Llama, Qwen2, Qwen3, Mistral, ...).
+
+    The draft has the target's width, heads, head_dim, MLP size, norm eps, activation and RoPE,
+    one layer, ``vocab_size`` = target vocab, ``draft_vocab_size`` = Vd, ``target_hidden_size`` =
+    target width, and the capture ids (default ``[1, N//2-1, N-4]``) in ``eagle_config``.
+    Raises ModelError when Vd exceeds the target vocab or the capture ids do not fit.
+    """
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    vocab = int(getattr(text, "padded_vocab_size", None) or text.vocab_size)
+    if not 0 < draft_vocab_size <= vocab:
+        raise ModelError(
+            f"draft vocab size {draft_vocab_size} must be between 1 and the target vocab {vocab}",
+            where="draft.draft_vocab_size",
+            fix=f"set draft.draft_vocab_size to at most {vocab}",
+        )
+    ids = check_capture_layer_ids(capture_layer_ids, int(text.num_hidden_layers))
+    fields: dict[str, Any] = {}
+    for name in _INHERITED_FIELDS:
+        value = getattr(text, name, None)
+        if value is not None:
+            fields[name] = value
+    pad = getattr(text, "pad_token_id", None)
+    fields.update(
+        architectures=[DRAFT_ARCHITECTURE],
+        num_hidden_layers=1,
+        vocab_size=vocab,
+        draft_vocab_size=int(draft_vocab_size),
+        target_hidden_size=int(text.hidden_size),
+        num_aux_hidden_states=NUM_AUX_HIDDEN_STATES,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": ids},
+        rope_parameters=rope_parameters_of(text, where="target config RoPE"),
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        pad_token_id=0 if pad is None else int(pad),
+    )
+    if fc_norm:
+        fields["fc_norm"] = True
+    return LlamaConfig(**fields)
+
+
+def draft_config_from_dict(data: dict, where: str = "draft config") -> LlamaConfig:
+    """Build a draft config from a JSON dict (a draft config file or an exported ``config.json``).
+
+    Accepts either RoPE form; forces ``num_hidden_layers`` to 1 and ``tie_word_embeddings`` to
+    false, defaults ``draft_vocab_size`` to ``vocab_size`` and ``target_hidden_size`` to
+    ``hidden_size``. Raises ModelError for more than one layer or an EAGLE3 variant we do not
+    implement (norm_before_fc, norm_output false, biased linears).
+    """
+    data = copy.deepcopy(data)
+    for flag, bad_value in _UNSUPPORTED_FLAGS.items():
+        if data.get(flag, not bad_value) == bad_value:
+            raise ModelError(
+                f"{flag}={bad_value} is an EAGLE3 variant this trainer does not implement",
+                where=f"{where}: {flag}",
+                fix=f"remove {flag} from the draft config",
+            )
+    if data.get("num_hidden_layers", 1) != 1:
+        raise ModelError(
+            f"an EAGLE3 draft has exactly one decoder layer, got num_hidden_layers={data['num_hidden_layers']}",
+            where=f"{where}: num_hidden_layers",
+            fix="set num_hidden_layers to 1",
+        )
+    rope = rope_parameters_of(data, where=f"{where}: rope_parameters")
+    for legacy in ("rope_scaling", "rope_theta", "rope_parameters", "torch_dtype", "dtype"):
+        data.pop(legacy, None)
+    data.update(num_hidden_layers=1, tie_word_embeddings=False, rope_parameters=rope)
+    data.setdefault("draft_vocab_size", data.get("vocab_size"))
+    data.setdefault("target_hidden_size", data.get("hidden_size"))
+    data.setdefault("architectures", [DRAFT_ARCHITECTURE])
+    data.setdefault("num_aux_hidden_states", NUM_AUX_HIDDEN_STATES)
+    if data["num_aux_hidden_states"] != NUM_AUX_HIDDEN_STATES:
+        raise ModelError(
+            f"num_aux_hidden_states={data['num_aux_hidden_states']}: this draft takes exactly 3 captured layers",
+            where=f"{where}: num_aux_hidden_states",
+            fix="set num_aux_hidden_states to 3 (or remove it)",
+        )
+    try:
+        return LlamaConfig.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"invalid draft config: {exc}", where=where, fix="correct the field named above") from exc
+
+
+def load_draft_config(path: str | Path) -> LlamaConfig:
+    """Read a draft config JSON file (see ``draft_config_from_dict``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(
+            f"cannot read draft config: {exc}", where=str(path), fix="point to a valid JSON file"
+        ) from exc
+    return draft_config_from_dict(data, where=str(path))
+
+
+def capture_layer_ids_of(config: LlamaConfig) -> list[int] | None:
+    """The capture ids recorded in a draft config's ``eagle_config``, if any."""
+    eagle = getattr(config, "eagle_config", None) or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    return list(ids) if ids is not None else None
+
+
+def serving_config_dict(config: LlamaConfig, dtype: str | None = None) -> dict:
+    """The exported ``config.json``: the draft config plus what serving engines of every age read.
+
+    Both RoPE forms are written: transformers-5 ``rope_parameters`` and legacy top-level
+    ``rope_theta`` + ``rope_scaling`` (``null`` for default RoPE, else the scaling dict without
+    the theta). ``dtype`` (e.g. ``"bfloat16"``) is written as ``torch_dtype`` and ``dtype``.
+    """
+    out = config.to_dict()
+    rope = rope_parameters_of(out)
+    out["architectures"] = [DRAFT_ARCHITECTURE]
+    out["model_type"] = "llama"
+    out["num_hidden_layers"] = 1
+    out["tie_word_embeddings"] = False
+    out["rope_parameters"] = rope
+    out["rope_theta"] = rope["rope_theta"]
+    legacy = {k: v for k, v in rope.items() if k != "rope_theta"}
+    out["rope_scaling"] = None if rope["rope_type"] == "default" else legacy
+    out["num_aux_hidden_states"] = NUM_AUX_HIDDEN_STATES
+    out.pop("_name_or_path", None)
+    if dtype is not None:
+        out["torch_dtype"] = dtype
+        out["dtype"] = dtype
+    return out

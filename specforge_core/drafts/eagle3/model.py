@@ -1,0 +1,337 @@
+"""The EAGLE3 draft model: one Llama decoder layer fed by the target's captured hidden states.
+
+    from specforge_core.drafts.eagle3.config import draft_config_from_target
+    from specforge_core.drafts.eagle3.model import Eagle3DraftModel
+    draft = Eagle3DraftModel(draft_config_from_target(target_cfg, draft_vocab_size=32000))
+    draft.load_embedding(target.get_input_embeddings().weight)    # frozen copy
+    draft.set_vocab_map(vocab.d2t, vocab.t2d)
+
+Module and buffer names are the serving key names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
+``d2t``, ``t2d``; ``fc_norm.{0,1,2}`` with ``config.fc_norm``), so a state dict without the
+embedding is exactly what SGLang and vLLM load. The layer (reference-facts §1.2):
+
+    h0   = fc(cat(aux_low, aux_mid, aux_high))            project_hidden
+    x    = cat(input_layernorm(embed(ids)), hidden_norm(h))   embedding first, 2H wide
+    h'   = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))   RoPE on q, k; residual un-normed
+    h'   = h' + mlp(post_attention_layernorm(h'))          carried to the next step pre-norm
+    z    = lm_head(norm(h'))                               compute_logits, draft vocab only
+
+The training-time-test unroll (attention across unrolled steps) lives in
+``specforge_core.drafts.eagle3``; ``step`` is the plain forward for decoding: new query rows at explicit
+positions attending over given extra key/value rows.
+"""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from specforge_core.errors import ModelError
+from specforge_core.drafts.eagle3.config import NUM_AUX_HIDDEN_STATES
+
+EMBEDDING_KEY = "embed_tokens.weight"
+
+
+class Eagle3Attention(nn.Module):
+    """q/k/v over the 2H-wide input, grouped-query heads, bias-free projections."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x [B,T,2H]`` → ``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]`` with RoPE applied to q and k."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The single decoder layer, split where the attention pattern is plugged in."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def project_qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k, v of ``cat(input_layernorm(embeds), hidden_norm(hidden))`` (embedding first)."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        return self.self_attn.project(x, cos, sin)
+
+    def complete(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual on the un-normed ``hidden`` plus the MLP block; ``attn`` is ``[B,nh,T,hd]``."""
+        b, nh, t, hd = attn.shape
+        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, nh * hd))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, embeds, hidden, cos, sin, attend: Callable, queries: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer with the attention pattern supplied by ``attend(q, k, v) -> [B,nh,Tq,hd]``.
+
+        ``queries``: index along T of the rows to compute outputs for (default all); keys and
+        values are made for every row."""
+        q, k, v = self.project_qkv(embeds, hidden, cos, sin)
+        if queries is not None:
+            q, hidden = q[:, :, queries], hidden[:, queries]
+        return self.complete(hidden, attend(q, k, v))
+
+
+class Eagle3DraftModel(nn.Module):
+    """EAGLE3 draft (reference-facts §1). ``config``: a draft ``LlamaConfig`` (see draft_config).
+
+    Trainable: ``fc``, ``fc_norm`` (optional), ``midlayer``, ``norm``, ``lm_head``. Frozen and never
+    saved: ``embed_tokens`` (a copy of the target's). Persistent buffers: ``d2t`` (int64 ``[Vd]``,
+    draft id i ↔ target id ``i + d2t[i]``) and ``t2d`` (bool ``[V]``). Until ``set_vocab_map`` is
+    called the map is the identity on the first Vd target ids.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        _check_config(config)
+        self.config = config
+        hidden, vocab = config.hidden_size, config.vocab_size
+        self.target_hidden_size = int(getattr(config, "target_hidden_size", None) or hidden)
+        self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or vocab)
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(NUM_AUX_HIDDEN_STATES * self.target_hidden_size, hidden, bias=False)
+        self.fc_norm = (
+            nn.ModuleList(
+                LlamaRMSNorm(self.target_hidden_size, eps=config.rms_norm_eps) for _ in range(NUM_AUX_HIDDEN_STATES)
+            )
+            if getattr(config, "fc_norm", False)
+            else None
+        )
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[: self.draft_vocab_size] = True
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", t2d)
+        # Set when the map came with a warm-start directory: a different map is then refused.
+        self.vocab_map_origin: str | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise like transformers' Llama: normal(0, initializer_range) linears, unit norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, LlamaRMSNorm):
+                nn.init.ones_(module.weight)
+
+    # --- the pieces every caller composes -------------------------------------------------
+    def project_hidden(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., 3·Ht]`` captured states (low, mid, high) → step-0 hidden ``[..., H]``."""
+        if aux_hidden.shape[-1] != NUM_AUX_HIDDEN_STATES * self.target_hidden_size:
+            raise ModelError(
+                f"aux hidden width {aux_hidden.shape[-1]} != 3 x target_hidden_size {self.target_hidden_size}",
+                where="captured batch: aux_hidden",
+                fix="capture exactly 3 layers of the target this draft config was made for",
+            )
+        aux = aux_hidden.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            chunks = aux.split(self.target_hidden_size, dim=-1)
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits ``lm_head(norm(hidden))`` ``[..., Vd]``."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attend: Callable,
+        hidden: torch.Tensor | None = None,
+        aux_hidden: torch.Tensor | None = None,
+        queries: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for every row: ``(new pre-norm hidden [B,T,H], logits [B,T,Vd])``.
+
+        ``input_ids [B,T]`` are the tokens following each row's hidden state, ``position_ids
+        [B,T]`` their RoPE positions, ``attend(q, k, v)`` the attention over this step's q/k/v
+        (``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]``, rotated) and whatever keys it keeps. Give
+        ``aux_hidden`` (first step: ``project_hidden`` is applied) or the carried ``hidden``.
+        ``queries`` (a long index along T) restricts the outputs to those rows: keys and values
+        are still made for every row, ``q`` and the results have ``Tq = len(queries)`` rows.
+        The training objective calls the draft only through this forward, so wrappers that hook
+        ``forward`` (FSDP2) see every parameter use.
+        """
+        if aux_hidden is not None:
+            hidden = self.project_hidden(aux_hidden)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary_emb(embeds, position_ids)
+        hidden = self.midlayer(embeds, hidden, cos, sin, attend, queries)
+        return hidden, self.compute_logits(hidden)
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One midlayer forward for ``Tq`` new rows (the helper for decoding and tests).
+
+        ``input_ids [B,Tq]``: the token following each row's hidden state; ``hidden [B,Tq,H]``:
+        ``project_hidden(aux)`` or a carried (pre-norm) draft hidden; ``position_ids [B,Tq]``: RoPE
+        positions of the rows. ``past_key_values``: extra rows ``(k, v)`` of shape ``[B,nkv,Tp,hd]``
+        already rotated (what earlier calls returned). ``attention_mask``: bool ``[B,Tq,Tp+Tq]``,
+        True = may attend; default: every past row plus causal over the new rows.
+        Returns the new pre-norm hidden ``[B,Tq,H]`` (logits: ``compute_logits``) and the new
+        rows' ``(k, v)`` ``[B,nkv,Tq,hd]`` for the caller's cache.
+        """
+        new_rows = []
+
+        def attend(q, k, v):
+            new_rows.append((k, v))
+            keys, values = k, v
+            if past_key_values is not None:
+                keys = torch.cat([past_key_values[0], k], dim=2)
+                values = torch.cat([past_key_values[1], v], dim=2)
+            b, tq, tk = q.shape[0], q.shape[2], keys.shape[2]
+            mask = attention_mask
+            if mask is None:
+                new = torch.ones(tq, tq, dtype=torch.bool, device=q.device).tril()
+                mask = torch.cat([new.new_ones(tq, tk - tq), new], dim=1).expand(b, tq, tk)
+            groups = q.shape[1] // k.shape[1]
+            return F.scaled_dot_product_attention(
+                q,
+                keys.repeat_interleave(groups, dim=1),
+                values.repeat_interleave(groups, dim=1),
+                attn_mask=mask[:, None],
+                scale=self.midlayer.self_attn.scaling,
+            )
+
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary_emb(embeds, position_ids)
+        return self.midlayer(embeds, hidden, cos, sin, attend), new_rows[0]
+
+    # --- vocabulary map and embedding ------------------------------------------------------
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a draft vocabulary map after checking ``nonzero(t2d) == d2t + arange(Vd)``.
+
+        Raises ModelError on wrong shapes or an inconsistent map, and when this draft was warm
+        started from a directory (``vocab_map_origin``) whose map differs: that map is kept, never
+        silently replaced.
+        """
+        d2t = torch.as_tensor(d2t).to(device="cpu", dtype=torch.long).flatten()
+        t2d = torch.as_tensor(t2d).to(device="cpu", dtype=torch.bool).flatten()
+        where = "vocab map (d2t/t2d)"
+        if d2t.numel() != self.draft_vocab_size or t2d.numel() != self.config.vocab_size:
+            raise ModelError(
+                f"vocab map sizes d2t={d2t.numel()}, t2d={t2d.numel()} do not match the draft "
+                f"(Vd={self.draft_vocab_size}, V={self.config.vocab_size})",
+                where=where,
+                fix="build the vocab map for this target vocab and draft.draft_vocab_size",
+            )
+        used = torch.nonzero(t2d).flatten()
+        if used.numel() != d2t.numel() or not torch.equal(used, d2t + torch.arange(d2t.numel())):
+            raise ModelError(
+                "inconsistent vocab map: target ids of t2d must equal d2t + arange(Vd) in ascending order",
+                where=where,
+                fix="rebuild the vocab map (specforge_core.data.vocab)",
+            )
+        if self.vocab_map_origin is not None and not (
+            torch.equal(d2t, self.d2t.cpu()) and torch.equal(t2d, self.t2d.cpu())
+        ):
+            raise ModelError(
+                f"this draft was warm-started from {self.vocab_map_origin}, "
+                "whose vocab map differs from the one given",
+                where=where,
+                fix="drop draft.vocab_map_path (the warm-start map is used), "
+                "or train from scratch without draft.init_from",
+            )
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+
+    def load_embedding(self, weight: torch.Tensor) -> None:
+        """Copy the target's input embedding ``[V, H]`` into ``embed_tokens`` (stays frozen)."""
+        expected = tuple(self.embed_tokens.weight.shape)
+        if tuple(weight.shape) != expected:
+            raise ModelError(
+                f"target embedding shape {tuple(weight.shape)} != draft embedding {expected}",
+                where="target model.embed_tokens.weight",
+                fix="generate the draft config from this target (vocab_size and hidden_size must match)",
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+        self.embed_tokens.weight.requires_grad_(False)
+
+    def cast_params(self, dtype: torch.dtype) -> "Eagle3DraftModel":
+        """Cast the parameters to ``dtype``. Unlike ``.to(dtype)`` this keeps the RoPE frequency
+        buffers in fp32, as transformers computes them, so cos/sin do not lose precision."""
+        for param in self.parameters():
+            param.data = param.data.to(dtype)
+        return self
+
+    def draft_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict without the frozen embedding: the checkpoint and serving tensors."""
+        return {k: v.detach() for k, v in self.state_dict().items() if k != EMBEDDING_KEY}
+
+
+def read_target_embedding(target_dir: str | Path, key: str = "model.embed_tokens.weight") -> torch.Tensor:
+    """Read the input embedding ``[V, H]`` from a Hugging Face safetensors checkpoint directory."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir)
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        shard = json.loads(index.read_text()).get("weight_map", {}).get(key)
+        files = [target_dir / shard] if shard else []
+    else:
+        files = sorted(target_dir.glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            if key in f.keys():
+                return f.get_tensor(key)
+    raise ModelError(
+        f"no tensor {key!r} in the safetensors files of the target",
+        where=str(target_dir),
+        fix="point model.target at a Hugging Face directory with safetensors weights",
+    )
+
+
+def _check_config(config: LlamaConfig) -> None:
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    vd = getattr(config, "draft_vocab_size", None) or config.vocab_size
+    problems = []
+    if heads % kv:
+        problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if not 0 < vd <= config.vocab_size:
+        problems.append(f"draft_vocab_size {vd} is not in [1, vocab_size {config.vocab_size}]")
+    if config.num_hidden_layers != 1:
+        problems.append(f"num_hidden_layers is {config.num_hidden_layers}, an EAGLE3 draft has 1")
+    if problems:
+        raise ModelError("; ".join(problems), where="draft config", fix="fix the draft config fields named")

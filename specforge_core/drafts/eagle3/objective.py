@@ -1,0 +1,313 @@
+"""The EAGLE3 objective: one-token shift, K unrolled training-time-test steps, 0.8^k-weighted loss.
+
+    loss, sums = eagle3_loss(draft, batch, lm_head_weight, ttt_length=7, decay=0.8)
+    loss.backward()
+    summarize_metrics(all_reduce_metric_sums(sums), decay=0.8)   # acc_k, ploss_k, ...
+
+``batch`` is a captured batch (mapping or object): ``input_ids [B,T]``, ``attention_mask [B,T]``,
+``loss_mask [B,T]``, ``aux_hidden [B,T,3·Ht]``, ``last_hidden [B,T,Ht]``, optional
+``position_ids`` / ``seq_ids`` ``[B,T]`` for packed rows. The exact math (reference-facts §2):
+
+- shift: at position t, step 0 embeds ``ids[t+1]`` on top of ``fc(aux[t])`` and learns the target
+  distribution at position t+1. Step k embeds ``ids[t+1+k]``, uses RoPE position ``pos[t]+k``,
+  and learns the target distribution at t+k+1 under the loss mask ``lm[t+k]``.
+- a position counts at step k (``valid``) iff ``lm[t+k]``, tokens t and t+k+1 are real, and t and
+  t+k+1 belong to the same sample. For unpacked right-padded rows this is exactly the reference
+  rule (mask shifted by k, last real position's mask zeroed); for packed rows it is what makes
+  each sample's numbers equal its unpacked numbers.
+- ``pm`` = valid and the target's full-vocab argmax is a draft token; the soft cross-entropy
+  against the renormalised draft-vocab target counts where ``pm``.
+- ``L_k = Σ_{b,t} pm·CE / (B·T)`` (masked positions count in the denominator);
+  ``loss = Σ_k decay^k L_k``. Gradients flow through the carried hidden across all steps.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specforge_core.errors import ModelError
+from specforge_core.drafts.eagle3.attention import TTTAttention
+from specforge_core.drafts.eagle3.metric_sums import metric_sums
+from specforge_core.drafts.eagle3.teacher import compute_teacher
+
+REQUIRED_FIELDS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "last_hidden")
+
+
+@dataclass
+class StepTerms:
+    """Per-position terms of one unrolled step, each ``[B, T]`` (zero where the step has no target).
+
+    ``loss`` (with grad): pm-weighted soft CE; ``correct``/``valid``: acc numerator/denominator;
+    ``accept``/``in_draft``: acceptance-rate numerator (pm-weighted Σ min(p, q)) / denominator (pm).
+    """
+
+    loss: torch.Tensor
+    correct: torch.Tensor
+    valid: torch.Tensor
+    accept: torch.Tensor
+    in_draft: torch.Tensor
+
+
+def _ce_rows(logits, target, weight):
+    loss = -(target * torch.log_softmax(logits.float(), dim=-1)).sum(dim=-1)
+    return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
+
+
+def _ce_grad_from_probs(probs, target, weight, grad, dtype):
+    """d(weight·CE)/d(logits) given the draft's fp32 softmax ``probs``."""
+    coef = torch.where(weight > 0, grad * weight, torch.zeros_like(grad))[..., None]
+    return (coef * (probs * target.sum(dim=-1, keepdim=True) - target)).to(dtype)
+
+
+def _ce_grad(logits, target, weight, grad):
+    return _ce_grad_from_probs(torch.softmax(logits.float(), dim=-1), target, weight, grad, logits.dtype)
+
+
+def _overlap(logits, target, log_mass):
+    """Σ_v min(q_draft, p_target) with p_target = renormalised target · exp(log_mass)."""
+    return torch.minimum(torch.softmax(logits.float(), dim=-1), target * log_mass.exp()[..., None]).sum(dim=-1)
+
+
+_FUSED: dict = {}
+
+
+def _fused(fn, device: torch.device):
+    """``fn`` compiled into a few fused kernels on CUDA (these [N, Vd] passes are memory bound);
+    plain eager elsewhere."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _FUSED:
+        _FUSED[fn] = torch.compile(fn, dynamic=True)
+    return _FUSED[fn]
+
+
+class _SoftTargetTerms(torch.autograd.Function):
+    """Per row, in fp32: the soft CE ``-Σ_v target·log_softmax(logits)`` times ``weight`` (with a
+    gradient to ``logits``) and the overlap ``Σ_v min(q_draft, p_target)`` (none).
+
+    On CUDA: compiled kernels; saves the logits in their own dtype and recomputes the softmax in
+    backward (half the activation memory per step in bf16). Elsewhere (eager, memory bound): one
+    log-softmax serves the loss, the overlap and the backward, which gets the fp32 softmax saved.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, log_mass):
+        ctx.logits_dtype = logits.dtype
+        ctx.saved_softmax = not logits.is_cuda
+        if logits.is_cuda:
+            ctx.save_for_backward(logits, target, weight)
+            loss = _fused(_ce_rows, logits.device)(logits, target, weight)
+            overlap = _fused(_overlap, logits.device)(logits, target, log_mass)
+        else:
+            log_q = torch.log_softmax(logits.float(), dim=-1)
+            loss = -(target * log_q).sum(dim=-1)
+            loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
+            q = log_q.exp_()
+            overlap = torch.minimum(q, target * log_mass.exp()[..., None]).sum(dim=-1)
+            ctx.save_for_backward(q, target, weight)
+        ctx.mark_non_differentiable(overlap)
+        return loss, overlap
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        saved, target, weight = ctx.saved_tensors
+        if not ctx.saved_softmax:
+            return _fused(_ce_grad, saved.device)(saved, target, weight, grad), None, None, None
+        return _ce_grad_from_probs(saved, target, weight, grad, ctx.logits_dtype), None, None, None
+
+
+def soft_target_terms(
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, log_mass: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise weighted soft cross-entropy (fp32, gradient to ``logits`` only) and the overlap
+    ``Σ_v min(softmax(logits), target·exp(log_mass))`` (no gradient)."""
+    return _SoftTargetTerms.apply(logits, target, weight, log_mass)
+
+
+def ttt_unroll(
+    draft, batch, lm_head_weight: torch.Tensor, *, ttt_length: int = 7, backend: str = "auto", vocab_chunk: int = 32768
+) -> list[StepTerms]:
+    """Run the K-step unroll and return the per-position terms of every step (see module doc).
+
+    Only what reaches a term is computed: step k on the positions whose chain still has a target
+    at step k or later (step 0 also makes keys and values on every real token: they are the keys
+    of their sample's later positions), the teacher on the indices some step reads. Padding and
+    unsupervised positions cost nothing beyond the step-0 keys; the terms equal those of the full
+    ``[B, T]`` unroll.
+    """
+    ids, attn, lm, aux, last, pos, seq = _read_batch(batch, lm_head_weight)
+    b, t = ids.shape
+    valid = _valid_masks(attn, lm, seq, ttt_length)
+    rows = _unroll_rows(valid)
+    teacher, teacher_slot = _needed_teacher(last, valid, lm_head_weight, draft.t2d, vocab_chunk)
+    target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
+    attention = TTTAttention(attn, seq, backend)
+    real = torch.nonzero(attn.flatten()).flatten()
+    keys, values, key_rows, steps = [], [], [], []
+
+    hidden, slot = None, None  # slot[b·T + t]: the row of position t in the previous step
+    for k in range(ttt_length):
+        idx = rows[k]
+        if idx is None:  # no target at this step or later
+            steps.append(_empty_terms(b, t, ids.device))
+            continue
+        # Step 0 makes keys on every real token; its outputs, like every later step's, are idx.
+        inputs = real if k == 0 else idx
+
+        def attend(q, key, value, idx=idx, inputs=inputs):  # this step's keys join the earlier ones
+            keys.append(key)
+            values.append(value)
+            key_rows.append(inputs)
+            return attention(q, idx, keys, values, key_rows)
+
+        step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[inputs][None]
+        step_pos = (pos + k).flatten()[inputs][None]
+        if k == 0:
+            queries = torch.searchsorted(real, idx)
+            hidden, logits = draft(step_ids, step_pos, attend, aux_hidden=aux.flatten(0, 1)[real][None], queries=queries)
+        else:
+            hidden, logits = draft(step_ids, step_pos, attend, hidden=hidden[:, slot[idx]])
+        slot = torch.full((b * t,), -1, dtype=torch.long, device=ids.device)
+        slot[idx] = torch.arange(idx.numel(), device=ids.device)
+
+        here = torch.nonzero(valid[k].flatten()[idx]).flatten()  # rows of this step with a target
+        flat = idx[here]  # their positions t (flattened b·T + t)
+        label = teacher_slot[flat + k]  # teacher index t+k: the target distribution at t+k+1
+        logits = logits[0, here]
+        probs = teacher.probs[label]
+        pm = teacher.in_draft[label]
+        loss, overlap = soft_target_terms(logits, probs, pm.float(), teacher.log_mass[label])
+        with torch.no_grad():
+            correct = target_ids[logits.argmax(dim=-1)] == teacher.argmax[label]
+            accept = torch.where(pm, overlap, torch.zeros_like(overlap))
+        steps.append(
+            StepTerms(
+                loss=_place(loss, flat, b, t),
+                correct=_place(correct.float(), flat, b, t),
+                valid=valid[k].float(),
+                accept=_place(accept, flat, b, t),
+                in_draft=_place(pm.float(), flat, b, t),
+            )
+        )
+    return steps
+
+
+def _valid_masks(attn, lm, seq, ttt_length: int) -> list[torch.Tensor]:
+    """``valid[k] [B,T]``: position t has a step-k target (module doc): ``lm[t+k]``, tokens t and
+    t+k+1 real and in the same sample."""
+    b, t = attn.shape
+    out = []
+    for k in range(ttt_length):
+        n = max(t - 1 - k, 0)
+        here, label, ahead = slice(0, n), slice(k, k + n), slice(k + 1, k + 1 + n)
+        v = lm[:, label] & attn[:, here] & attn[:, ahead] & (seq[:, here] == seq[:, ahead])
+        out.append(F.pad(v, (0, t - n)))
+    return out
+
+
+def _unroll_rows(valid) -> list[torch.Tensor | None]:
+    """Flattened positions whose step-k output is computed, ascending; None where nothing is left.
+
+    Step k needs position t iff some step j ≥ k has a target there (its hidden is carried along
+    the same position), so each step's rows are a subset of the previous step's. (Step 0 also
+    makes keys on every real token: they are the keys of their sample's later positions.)
+    """
+    needed = torch.zeros_like(valid[0])
+    rows: list[torch.Tensor | None] = [None] * len(valid)
+    for k in range(len(valid) - 1, -1, -1):
+        needed = needed | valid[k]
+        rows[k] = torch.nonzero(needed.flatten()).flatten()
+    # Trailing steps without targets are skipped; step 0 always runs (the loss keeps its graph).
+    for k in range(len(valid) - 1, 0, -1):
+        if rows[k].numel():
+            break
+        rows[k] = None
+    return rows
+
+
+def _needed_teacher(last, valid, lm_head_weight, t2d, vocab_chunk):
+    """The teacher at every index some step reads, and ``slot [B·T]``: its row per flattened index.
+
+    Teacher index i (flattened ``b·T + i``) is the target distribution at position i+1; step k
+    reads it at its targets t = i - k.
+    """
+    b, t = valid[0].shape
+    read = torch.zeros(b * t, dtype=torch.bool, device=last.device)
+    for k, v in enumerate(valid):
+        read[torch.nonzero(v.flatten()).flatten() + k] = True
+    index = torch.nonzero(read).flatten()
+    teacher = compute_teacher(last.flatten(0, 1)[index + 1], lm_head_weight, t2d, vocab_chunk=vocab_chunk)
+    slot = torch.full((b * t,), -1, dtype=torch.long, device=last.device)
+    slot[index] = torch.arange(index.numel(), device=last.device)
+    return teacher, slot
+
+
+def _place(values: torch.Tensor, flat: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """``[B, T]`` zeros with ``values`` at the flattened positions ``flat``."""
+    return values.new_zeros(b * t).index_copy(0, flat, values).view(b, t)
+
+
+def eagle3_loss(
+    draft,
+    batch,
+    lm_head_weight: torch.Tensor,
+    *,
+    ttt_length: int = 7,
+    decay: float = 0.8,
+    backend: str = "auto",
+    vocab_chunk: int = 32768,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(loss, sums)``: the scalar ``Σ_k decay^k L_k`` and the summable metric numerators and
+    denominators (``metrics.metric_sums``; reduce across ranks by summing)."""
+    steps = ttt_unroll(
+        draft, batch, lm_head_weight, ttt_length=ttt_length, backend=backend, vocab_chunk=vocab_chunk
+    )
+    b, t = steps[0].loss.shape
+    loss = sum(decay**k * s.loss.sum() for k, s in enumerate(steps)) / (b * t)
+    return loss, metric_sums(steps, positions=b * t)
+
+
+def _field(batch, name):
+    return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
+
+
+def _read_batch(batch, lm_head_weight):
+    missing = [f for f in REQUIRED_FIELDS if _field(batch, f) is None]
+    if missing:
+        raise ModelError(
+            f"captured batch lacks {missing}",
+            where="captured batch",
+            fix="capture all of " + ", ".join(REQUIRED_FIELDS),
+        )
+    ids = _field(batch, "input_ids").long()
+    b, t = ids.shape
+    attn = _field(batch, "attention_mask").bool()
+    lm = _field(batch, "loss_mask").bool()
+    aux, last = _field(batch, "aux_hidden"), _field(batch, "last_hidden")
+    pos = _field(batch, "position_ids")
+    pos = torch.arange(t, device=ids.device).expand(b, t) if pos is None else pos.long()
+    seq = _field(batch, "seq_ids")
+    seq = torch.zeros_like(ids) if seq is None else seq.long()
+    for name, value in (("attention_mask", attn), ("loss_mask", lm), ("position_ids", pos), ("seq_ids", seq)):
+        if tuple(value.shape) != (b, t):
+            raise ModelError(
+                f"{name} shape {tuple(value.shape)} != input_ids {(b, t)}", where=f"captured batch: {name}"
+            )
+    for name, value in (("aux_hidden", aux), ("last_hidden", last)):
+        if tuple(value.shape[:2]) != (b, t):
+            raise ModelError(
+                f"{name} shape {tuple(value.shape)} does not start with {(b, t)}", where=f"captured batch: {name}"
+            )
+    if last.shape[-1] != lm_head_weight.shape[-1]:
+        raise ModelError(
+            f"last_hidden width {last.shape[-1]} != target head width {lm_head_weight.shape[-1]}",
+            where="captured batch: last_hidden",
+            fix="pass the lm_head weight of the target that produced the batch",
+        )
+    return ids, attn, lm, aux, last, pos, seq
+
+
+def _empty_terms(b: int, t: int, device) -> StepTerms:
+    zero = torch.zeros(b, t, device=device)
+    return StepTerms(loss=zero, correct=zero, valid=zero, accept=zero, in_draft=zero)

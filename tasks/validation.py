@@ -1,0 +1,127 @@
+"""The validate stage: export the trained draft, measure acceptance before and after, publish the report.
+
+    report = validate(config, vocab_map, trained, run_dir=str(run_dir))
+
+Writes into ``<run_dir>``:
+
+    draft/                    the trained draft for SGLang/vLLM (config.json + model.safetensors)
+    report/report.md          before/after (and promoted) acceptance lengths, then the measured-vs-
+                              simulated validation report of specforge_core.evaluate; links curves.png
+    report/curves.png         loss, per-position accuracy, simulated and measured acceptance length
+    report/validation-*.md    the evaluator's own report for each draft measured
+
+"Before" is the draft training started from: the warm-start draft (``draft.init_from``), or for a
+cold start an untrained draft of the same config and vocab map (it measures about 1.0: its tokens
+are almost never accepted). With ``validation.promoted_dir`` holding a draft, that draft is measured
+too, on the same prompts, for the promotion decision. The markdown artifact ``validation-report``
+carries the report with the plot inlined (the UI cannot open files of the worker's disk).
+"""
+
+import base64
+import json
+from pathlib import Path
+
+import torch
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+
+from specforge_core.config import RunConfig
+from specforge_core.decoding.evaluation import evaluate
+from specforge_core.drafts.eagle3.serving import export_draft, load_draft_from_files
+from specforge_core.drafts.eagle3.config import load_draft_config
+from specforge_core.drafts.eagle3.model import Eagle3DraftModel
+from specforge_core.data.vocab import load_vocab_map
+from tasks.caching import StageOutput
+from tasks.curves import plot_curves
+from tasks.training import trainer_config
+
+
+def untrained_draft(checkpoint: Path, vocab_map: StageOutput, seed: int, out_dir: Path) -> Path:
+    """Export a freshly initialised draft with the checkpoint's config and the run's vocab map."""
+    config = load_draft_config(checkpoint / "draft_config.json")
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(config)
+    vm = load_vocab_map(vocab_map.path, config.vocab_size, config.draft_vocab_size)
+    model.set_vocab_map(vm.d2t, vm.t2d)
+    return export_draft(model, out_dir)
+
+
+def _row(label: str, path: str | None, result: dict | None) -> str:
+    if result is None:
+        return f"| {label} | `{path}` | n/a | n/a |"
+    per_position = ", ".join("n/a" if p is None else f"{p:.2f}" for p in result["per_position_acceptance"])
+    return f"| {label} | `{path}` | **{result['acceptance_length']:.3f}** | {per_position} |"
+
+
+def render_summary(rows: dict[str, tuple[str, dict | None]], config: RunConfig, plot_link: str) -> str:
+    v = config.validation
+    lines = [
+        "# colocated-train: validation", "",
+        f"Measured by speculative decoding of {v.num_prompts} held-out prompts with the target "
+        f"(greedy, {v.num_steps} draft tokens per verify pass, up to {v.max_new_tokens} new tokens each).", "",
+        "| draft | directory | acceptance length | per-position acceptance |", "|---|---|---|---|",
+        *(_row(label, path, result) for label, (path, result) in rows.items()), "",
+        f"![loss and acceptance curves]({plot_link})", "",
+        "Left: training loss. Middle: per-position draft accuracy on training data. Right: simulated "
+        "acceptance length from those accuracies, with the measured ones as points.", "",
+    ]
+    return "\n".join(lines)
+
+
+@task(name="validate", cache_policy=NO_CACHE)
+def validate(config: RunConfig, vocab_map: StageOutput, trained: StageOutput, run_dir: str) -> dict:
+    """Export the draft, measure its acceptance length (and the starting / promoted drafts'), report."""
+    logger = get_run_logger()
+    run = Path(run_dir)
+    report_dir = run / "report"
+    checkpoint = Path(trained.path)
+    draft_dir = export_draft(load_draft_from_files(checkpoint), run / "draft")
+    logger.info("exported the draft for SGLang/vLLM to %s", draft_dir)
+    # The trainer's view: output.dir is the run directory, so the evaluator reads its metrics.
+    eval_config = trainer_config(config, run, vocab_map)
+
+    def measure(label: str, path: Path, metrics_dir: Path) -> dict:
+        result = evaluate(eval_config, path, report_path=report_dir / f"validation-{label}.md", run_dir=metrics_dir)
+        logger.info("acceptance length of the %s draft (%s): %.3f", label, path, result["acceptance_length"])
+        return result
+
+    after = measure("trained", draft_dir, run)
+    warm = bool(config.draft.init_from)
+    if warm:
+        before_dir = Path(config.draft.init_from)
+    else:
+        before_dir = untrained_draft(checkpoint, vocab_map, config.training.seed, run / "draft-untrained")
+    before = measure("before", before_dir, before_dir)
+    rows = {f"before training ({'warm start' if warm else 'untrained'})": (str(before_dir), before),
+            "after training": (str(draft_dir), after)}
+    promoted = Path(config.validation.promoted_dir) if config.validation.promoted_dir else None
+    promoted_result = None
+    if promoted is not None and (promoted / "config.json").is_file():
+        same = before_dir.resolve() == promoted.resolve()
+        promoted_result = before if same else measure("promoted", promoted, promoted)
+        rows["currently promoted"] = (str(promoted), promoted_result)
+
+    plot = plot_curves(run / "metrics.jsonl", report_dir / "curves.png", num_steps=config.validation.num_steps,
+                       measured={"before": before["acceptance_length"], "after": after["acceptance_length"]})
+    summary = render_summary(rows, config, plot.name)
+    evaluator_report = Path(after["report"]).read_text(encoding="utf-8")
+    report = report_dir / "report.md"
+    report.write_text(summary + "\n" + evaluator_report, encoding="utf-8")
+    inline = "data:image/png;base64," + base64.b64encode(plot.read_bytes()).decode()
+    create_markdown_artifact(
+        key="validation-report",
+        markdown=summary.replace(f"]({plot.name})", f"]({inline})")
+        + f"\nFiles: report `{report}`, plot `{plot}`, draft `{draft_dir}`.\n\n" + evaluator_report,
+        description="measured acceptance length before/after training; loss and acceptance curves",
+    )
+    return {
+        "run_dir": str(run), "draft_dir": str(draft_dir), "report": str(report), "plot": str(plot),
+        "checkpoint": str(checkpoint),
+        "acceptance_length": after["acceptance_length"],
+        "acceptance_length_before": before["acceptance_length"],
+        "acceptance_length_promoted": None if promoted_result is None else promoted_result["acceptance_length"],
+        "simulated_acceptance_length": after.get("simulated_acceptance_length"),
+        "measured": json.loads(json.dumps({k: v for k, v in after.items() if k != "report"})),
+    }

@@ -1,0 +1,199 @@
+"""The draft side: decode-time feeding equals the training unroll; speculation is lossless."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specforge_core.capture.target_info import default_capture_layers
+from specforge_core.decoding.acceptance import AcceptanceStats
+from specforge_core.drafts.eagle3.decoding import DraftRunner
+from specforge_core.decoding.measure import measure_acceptance
+from specforge_core.decoding.speculative import decode, decode_batch
+from specforge_core.decoding.verifier import DecodingTarget
+from specforge_core.drafts.eagle3.config import draft_config_from_target
+from specforge_core.drafts.eagle3.model import Eagle3DraftModel
+from specforge_core.drafts.eagle3.objective import ttt_unroll
+
+
+def _target(model_dir, *, greedy_is_always_zero=False):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if greedy_is_always_zero:  # final norm 0 → every logit 0 → argmax is token 0, always
+        torch.nn.init.zeros_(model.model.norm.weight)
+    return model, DecodingTarget(model, list(default_capture_layers(model.config.num_hidden_layers)))
+
+
+def _draft(model, draft_vocab_size=None, seed=0, hot_start=0):
+    """A random-init draft for ``model``; with ``draft_vocab_size`` a vocab map of that many ids
+    (the smallest being ``hot_start``, the rest random)."""
+    torch.manual_seed(seed)
+    v = model.config.vocab_size
+    vd = draft_vocab_size or v
+    draft = Eagle3DraftModel(draft_config_from_target(model.config, vd)).eval()
+    draft.load_embedding(model.get_input_embeddings().weight)
+    if vd < v:
+        rest = torch.randperm(v - hot_start - 1)[: vd - 1] + hot_start + 1
+        hot = torch.cat([torch.tensor([hot_start]), rest]).sort().values
+        t2d = torch.zeros(v, dtype=torch.bool)
+        t2d[hot] = True
+        draft.set_vocab_map(hot - torch.arange(vd), t2d)
+    return draft
+
+
+def _prompt(tokenizer, text="what is the capital of France"):
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_dir, tiny_tokenizer):
+    model, target = _target(tiny_target_dir)
+    return model, target, _prompt(tiny_tokenizer)
+
+
+def test_decode_time_draft_equals_the_training_unroll_at_steps_0_to_2(tiny):
+    model, target, prompt = tiny
+    draft = _draft(model, draft_vocab_size=200, seed=1)
+    ids = prompt + [5, 17, 42, 99, 7, 250, 3, 11]
+    aux = target.start([ids]).aux[0]
+    unrolled = []  # the pre-norm hidden of every training step: compute_logits(h) = lm_head(norm(h))
+    hook = draft.norm.register_forward_hook(lambda _m, inputs, _o: unrolled.append(inputs[0].detach()))
+    t = len(ids)
+    batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, t, dtype=torch.long),
+             "loss_mask": torch.ones(1, t, dtype=torch.long), "aux_hidden": aux[None],
+             "last_hidden": torch.randn(1, t, model.config.hidden_size)}
+    with torch.no_grad():
+        ttt_unroll(draft, batch, model.lm_head.weight, ttt_length=3, backend="sdpa")
+    hook.remove()
+    runner = DraftRunner(draft)
+    p = len(prompt)
+    runner.extend([(ids[1 : p + 1], aux[:p])])  # step-0 rows 0..p-1: the prefill
+    steps = runner.round_hidden_states([ids[p + 1 : p + 3]])
+    for k in range(3):
+        torch.testing.assert_close(steps[k][0], unrolled[k][0, p - 1], rtol=0, atol=1e-5)
+    # a batch whose rows then accept different numbers of tokens (ragged extension)
+    ends = [p + 1, p + 3, t - 3]
+    runner.reset()
+    runner.extend([(ids[1 : p + 1], aux[:p])] * len(ends))
+    runner.extend([(ids[p + 1 : n + 1], aux[p:n]) for n in ends])
+    steps = runner.round_hidden_states([ids[n + 1 : n + 3] for n in ends])
+    for r, n in enumerate(ends):
+        for k in range(3):
+            torch.testing.assert_close(steps[k][r], unrolled[k][0, n - 1], rtol=0, atol=1e-5)
+
+
+def test_draft_ids_are_mapped_to_target_ids_with_d2t(tiny):
+    model, target, prompt = tiny
+    draft = _draft(model, draft_vocab_size=64, hot_start=37)
+    torch.nn.init.zeros_(draft.norm.weight)  # all draft logits 0 → argmax is draft id 0 = target id 37
+    runner = DraftRunner(draft)
+    runner.extend([(prompt[1:] + [5], target.start([prompt]).aux[0])])
+    assert runner.propose(4) == [[37] * 4]
+
+
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_a_draft_that_always_agrees_gets_num_steps_plus_one_per_verify(tiny_target_dir, tiny_tokenizer, num_steps):
+    model, target = _target(tiny_target_dir, greedy_is_always_zero=True)
+    draft = _draft(model)
+    torch.nn.init.zeros_(draft.norm.weight)  # proposes draft id 0 = target id 0, the target's choice
+    rounds, n = 4, 1 + 4 * (num_steps + 1) + 2  # the prefill token, 4 full rounds, 2 tokens more
+    gen = decode(target, _prompt(tiny_tokenizer), max_new_tokens=n, stop_ids=set(),
+                 drafter=DraftRunner(draft), num_steps=num_steps)
+    assert gen.tokens == [0] * n
+    assert gen.emitted == [num_steps + 1] * rounds + [2]
+    stats = AcceptanceStats(num_steps)
+    stats.add(gen)
+    s = stats.summary()
+    assert s["acceptance_length"] == (n - 1) / (rounds + 1) == 1 + s["mean_accepted_draft_tokens"]
+    assert s["target_forwards_saved"] == n - (1 + rounds + 1)
+    assert s["per_position_acceptance"] == [1.0] * num_steps
+
+
+@pytest.mark.parametrize("arch_dir", ["tiny_target_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("num_steps,vd", [(1, None), (3, 128), (5, 300)])
+def test_a_random_draft_is_lossless(request, tiny_tokenizer, arch_dir, num_steps, vd):
+    model, target = _target(request.getfixturevalue(arch_dir))
+    draft = _draft(model, draft_vocab_size=vd, seed=num_steps)
+    for text in ("what is the capital of France", "tell me a story about a river"):
+        prompt = _prompt(tiny_tokenizer, text)
+        plain = decode(target, prompt, max_new_tokens=40, stop_ids={2})
+        spec = decode(target, prompt, max_new_tokens=40, stop_ids={2}, drafter=DraftRunner(draft), num_steps=num_steps)
+        assert spec.tokens == plain.tokens
+
+
+def test_a_batch_with_a_real_draft_decodes_each_prompt_as_if_alone(tiny, tiny_tokenizer):
+    model, target, _ = tiny
+    draft = _draft(model, draft_vocab_size=128, seed=2)
+    prompts = [_prompt(tiny_tokenizer, q) for q in ("what is the capital of France", "hi", "name three rivers")]
+    stops = {460, 502}
+    alone = [decode(target, p, max_new_tokens=24, stop_ids=stops, drafter=DraftRunner(draft), num_steps=3)
+             for p in prompts]
+    together = decode_batch(target, prompts, max_new_tokens=24, stop_ids=stops, drafter=DraftRunner(draft),
+                            num_steps=3)
+    assert [(g.tokens, g.accepted) for g in together] == [(g.tokens, g.accepted) for g in alone]
+
+
+def test_measure_reports_lossless_and_the_counts(tiny, tiny_tokenizer):
+    model, _, prompt = tiny
+    draft = _draft(model, draft_vocab_size=128)
+    prompts = [prompt, _prompt(tiny_tokenizer, "hi")]
+    result = measure_acceptance(model, draft, prompts, stop_ids={2}, num_steps=3, max_new_tokens=16,
+                                capture_layer_ids=list(default_capture_layers(8)), check_lossless=True)
+    assert result["lossless"] is True and result["prompts"] == 2
+    assert result["acceptance_length"] >= 1.0
+    assert result["target_forwards"] == 2 + result["verify_passes"]
+
+
+@pytest.mark.slow
+def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model, target = _target(smollm2_dir)
+    draft = _draft(model, draft_vocab_size=8192)
+    stops = {tok.eos_token_id}
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for text in ("What is the capital of France?", "Write a haiku about rivers.", "Hi!")]
+    plain = [decode(target, p, max_new_tokens=32, stop_ids=stops).tokens for p in prompts]
+    spec = decode_batch(target, prompts, max_new_tokens=32, stop_ids=stops, drafter=DraftRunner(draft), num_steps=3)
+    assert [g.tokens for g in spec] == plain
+
+
+@pytest.mark.slow
+def test_on_smollm2_the_draft_fed_at_decode_equals_the_training_unroll_on_captured_states(smollm2_dir):
+    """Training's features (the hf capture backend, one full forward) and decode's (the decoding
+    target: prefill, then a verify-style forward) drive the same draft to the same pre-norm hidden
+    and the same argmax at steps 0..2 of every answer position, on the real target's magnitudes
+    (SmolLM2's captured states reach |x| ~ 2.5e4)."""
+    from transformers import AutoTokenizer
+
+    from specforge_core.capture.base import TargetRequest
+    from specforge_core.capture.hf import HFCaptureBackend
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model, target = _target(smollm2_dir)
+    prompt = _prompt(tok, "Name three rivers in Europe.")
+    answer = decode(target, prompt, max_new_tokens=12, stop_ids=set()).tokens
+    ids, p = prompt + answer, len(prompt)
+    step = target.start([prompt])
+    aux = torch.cat([step.aux[0], target.forward([answer]).aux[0]])  # what decoding gives the draft
+
+    capture_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    backend = HFCaptureBackend(capture_model, target.capture_layer_ids)
+    # every position supervised, so the unroll's output rows are the positions themselves
+    batch = backend.capture(TargetRequest.from_rows([ids], [[1] * len(ids)], slice(0, 1)))
+    draft = _draft(model, draft_vocab_size=8192, seed=3)
+    unrolled = []
+    hook = draft.norm.register_forward_hook(lambda _m, inputs, _o: unrolled.append(inputs[0].detach()))
+    with torch.no_grad():
+        ttt_unroll(draft, batch, backend.lm_head_weight, ttt_length=3, backend="sdpa")
+    hook.remove()
+
+    ends = list(range(p, len(ids) - 2))  # a round after step-0 rows 0..n-1, fed ids[n+1], ids[n+2]
+    runner = DraftRunner(draft)
+    runner.extend([(ids[1 : n + 1], aux[:n]) for n in ends])
+    steps = runner.round_hidden_states([ids[n + 1 : n + 3] for n in ends])
+    for k in range(3):
+        train = unrolled[k][0, [n - 1 for n in ends]]
+        torch.testing.assert_close(steps[k], train, rtol=1e-5, atol=2e-4)  # seen: 4e-5
+        assert torch.equal(draft.compute_logits(steps[k]).argmax(-1), draft.compute_logits(train).argmax(-1))

@@ -1,0 +1,114 @@
+"""Target-regenerated data: batched, left-padded, resumable, conversation-format JSONL."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specforge_core.config import config_from_dict
+from specforge_core.errors import DataError
+from specforge_core.decoding.speculative import decode
+from specforge_core.capture.target_info import default_capture_layers
+from specforge_core.decoding.verifier import DecodingTarget
+from specforge_core.data.formats import parse_record
+from specforge_core.decoding.answering import prompt_messages, regenerate
+from specforge_core.regenerate import main
+
+QUESTIONS = ["what is the capital of France", "tell me a story", "hi", "how do I write python code fast",
+             "name three rivers", "why is water good"]
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    rows = [{"id": f"q{i}", "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": "old"}]}
+            for i, q in enumerate(QUESTIONS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def cfg(tiny_target_dir, source):
+    return config_from_dict({"model": {"target": str(tiny_target_dir)},
+                             "data": {"train_files": [str(source)], "max_length": 256}})
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rows_are_prompt_turns_plus_the_targets_answer(cfg, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    regenerate(cfg, out, batch_size=4, max_new_tokens=8)
+    rows = {r["id"]: r for r in _rows(out)}
+    assert sorted(rows) == [f"q{i}" for i in range(len(QUESTIONS))]
+    conv = rows["q0"]["conversations"]
+    assert conv[0] == {"role": "user", "content": QUESTIONS[0]}
+    assert conv[1]["role"] == "assistant" and conv[1]["content"] != "old" and len(conv) == 2
+
+
+def test_batched_left_padded_answers_equal_one_at_a_time_greedy(cfg, tiny_target_dir, tiny_tokenizer, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    regenerate(cfg, out, batch_size=6, max_new_tokens=12)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    target = DecodingTarget(model, default_capture_layers(model.config.num_hidden_layers))
+    for row in _rows(out):
+        turns = row["conversations"][:-1]
+        text = tiny_tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        prompt = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        want = decode(target, prompt, max_new_tokens=12, stop_ids={tiny_tokenizer.eos_token_id}).tokens
+        assert row["conversations"][-1]["content"] == tiny_tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_a_rerun_answers_only_the_missing_ids(cfg, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    first = regenerate(cfg, out, batch_size=2, max_new_tokens=4, limit=2)
+    before = out.read_text()
+    second = regenerate(cfg, out, batch_size=2, max_new_tokens=4)
+    assert (first["written"], second["written"], second["already_written"]) == (2, 4, 2)
+    assert out.read_text().startswith(before)
+    assert len({r["id"] for r in _rows(out)}) == len(QUESTIONS) == len(_rows(out))
+
+
+def test_a_torn_last_line_is_dropped_and_answered_again(cfg, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    regenerate(cfg, out, batch_size=2, max_new_tokens=4, limit=2)
+    out.write_text(out.read_text() + '{"id": "q5", "conversa')
+    result = regenerate(cfg, out, batch_size=2, max_new_tokens=4)
+    assert result["already_written"] == 2 and len(_rows(out)) == len(QUESTIONS)
+
+
+def test_sampling_with_a_seed_is_reproducible(cfg, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for out in (a, b):
+        regenerate(cfg, out, batch_size=3, max_new_tokens=8, temperature=0.9, top_p=0.95, seed=3)
+    assert a.read_text() == b.read_text()
+
+
+def test_the_prompt_is_the_conversation_before_the_first_assistant_turn():
+    rec = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
+                             {"from": "gpt", "value": "hello"}, {"from": "human", "value": "more"}]}
+    row = parse_record(rec, "sharegpt", "x:1", vocab_size=512)
+    assert prompt_messages(row) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def test_a_text_row_has_no_prompt_to_answer_and_names_its_line():
+    with pytest.raises(DataError, match="f.jsonl:3"):
+        prompt_messages(parse_record({"text": "hello"}, "text", "f.jsonl:3", vocab_size=512))
+
+
+def test_bad_rows_are_skipped_and_counted_when_configured(cfg, source, tmp_path):
+    source.write_text(source.read_text() + "not json\n")
+    result = regenerate(cfg.model_copy(update={"data": cfg.data.model_copy(update={"on_bad_row": "skip"})}),
+                        tmp_path / "regen.jsonl", max_new_tokens=2)
+    assert result["skipped_bad_rows"] == 1 and result["written"] == len(QUESTIONS)
+
+
+def test_cli_prints_one_json_line(tiny_target_dir, source, tmp_path, capsys):
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(f"model:\n  target: {tiny_target_dir}\ndata:\n  train_files: [{source}]\n")
+    out = tmp_path / "regen.jsonl"
+    assert main(["--config", str(cfg_path), "--out", str(out), "--max-new-tokens", "4", "--limit", "3"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and json.loads(printed[0])["written"] == 3

@@ -1,0 +1,119 @@
+"""The TTT attention pattern (reference §2.3) and the agreement of its sdpa and flex backends."""
+
+import pytest
+import torch
+
+from specforge_core.errors import ConfigError
+from specforge_core.drafts.eagle3 import eagle3_loss, summarize_metrics
+from specforge_core.drafts.eagle3.attention import TTTAttention, resolve_backend, step_zero_visibility
+from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
+
+
+def test_step_zero_keys_are_causal_within_a_sample_and_skip_padding_but_never_empty():
+    attention = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    seq = torch.tensor([[0, 0, 1, 1, 1, -1]])
+    visible = step_zero_visibility(attention, seq)[0].int().tolist()
+    assert visible == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],  # padding sees only itself
+    ]
+
+
+def test_auto_backend_is_sdpa_on_cpu_and_unknown_names_are_config_errors():
+    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_backend("auto", torch.device("cuda")) == "flex"
+    with pytest.raises(ConfigError, match="draft.attention_backend"):
+        resolve_backend("eager", torch.device("cpu"))
+
+
+def attention_inputs(seed, B=2, T=9, nh=4, nkv=2, hd=8, steps=4):
+    """Queries and per-step keys on rows: step 0 = the real tokens, step j = a shrinking subset."""
+    g = torch.Generator().manual_seed(seed)
+    attention = torch.ones(B, T, dtype=torch.long)
+    attention[1, 6:] = 0
+    seq = torch.tensor([[0] * 4 + [1] * 5, [0] * 3 + [1] * 3 + [-1] * 3])
+    rows = [torch.nonzero(attention.flatten()).flatten()]
+    for _ in range(1, steps):
+        keep = torch.rand(rows[-1].numel(), generator=g) < 0.8
+        keep[-1] = True
+        rows.append(rows[-1][keep])
+    keys = [torch.randn(1, nkv, r.numel(), hd, generator=g) for r in rows]
+    values = [torch.randn(1, nkv, r.numel(), hd, generator=g) for r in rows]
+    queries = [torch.randn(1, nh, r.numel(), hd, generator=g) for r in rows]
+    return queries, keys, values, rows, attention, seq
+
+
+def dense_ttt_attention(q, q_rows, keys, values, rows, attention, seq):
+    """Straight from the rule: one softmax over the visible step-0 keys and same-position keys."""
+    T = attention.shape[1]
+    k = len(rows) - 1
+    nh, nkv, hd = q.shape[1], keys[0].shape[1], q.shape[3]
+    out = torch.zeros_like(q)
+    for i, flat in enumerate(q_rows.tolist()):
+        b, t = divmod(flat, T)
+        cand = [j for j, s in enumerate(rows[0].tolist()) if s // T == b and s % T <= t and seq[b, s % T] == seq[b, t]]
+        same = [rows[j].tolist().index(flat) for j in range(1, k + 1)]
+        for h in range(nh):
+            g = h // (nh // nkv)
+            ks = [keys[0][0, g, j] for j in cand] + [keys[j][0, g, same[j - 1]] for j in range(1, k + 1)]
+            vs = [values[0][0, g, j] for j in cand] + [values[j][0, g, same[j - 1]] for j in range(1, k + 1)]
+            w = torch.softmax(torch.stack([q[0, h, i] @ key for key in ks]) / hd**0.5, dim=0)
+            out[0, h, i] = sum(wi * v for wi, v in zip(w, vs))
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_each_backend_equals_the_dense_rule_on_cpu(k, backend):
+    queries, keys, values, rows, attention, seq = attention_inputs(seed=k)
+    args = (queries[k], rows[k], keys[: k + 1], values[: k + 1], rows[: k + 1])
+    with torch.no_grad():
+        out = TTTAttention(attention, seq, backend)(*args)
+    assert (out - dense_ttt_attention(*args, attention, seq)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_step_zero_queries_may_be_a_subset_of_its_keys(backend):
+    queries, keys, values, rows, attention, seq = attention_inputs(seed=5)
+    subset = torch.tensor([0, 2, 3, 7, 10])
+    args = (queries[0][:, :, subset], rows[0][subset], keys[:1], values[:1], rows[:1])
+    with torch.no_grad():
+        out = TTTAttention(attention, seq, backend)(*args)
+    assert (out - dense_ttt_attention(*args, attention, seq)).abs().max() < 1e-5
+
+
+def test_flex_and_sdpa_give_the_same_loss_and_metrics_on_cpu():
+    draft = tiny_draft(seed=3)
+    batch = random_batch(seed=3, lengths=[10, 6], T=10, target_hidden=24)
+    W = target_head(3, 24)
+    with torch.no_grad():
+        loss_s, sums_s = eagle3_loss(draft, batch, W, ttt_length=5, backend="sdpa")
+        loss_f, sums_f = eagle3_loss(draft, batch, W, ttt_length=5, backend="flex")
+    assert abs(loss_s.item() - loss_f.item()) < 1e-5
+    ms, mf = summarize_metrics(sums_s), summarize_metrics(sums_f)
+    assert max(abs(ms[key] - mf[key]) for key in ms) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no CPU backward; run on a CUDA machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_and_sdpa_agree_in_loss_metrics_and_gradients_on_cuda(dtype):
+    W = target_head(5, 24).cuda()
+    batch = {k: v.cuda() for k, v in random_batch(seed=5, lengths=[40, 29, 33], T=40, target_hidden=24).items()}
+    results = {}
+    for backend in ("sdpa", "flex"):
+        draft = tiny_draft(seed=5, head_dim=32).cuda().cast_params(dtype)  # flex kernels need head_dim >= 16
+        loss, sums = eagle3_loss(draft, batch, W, ttt_length=7, backend=backend)
+        loss.backward()
+        grads = {n: p.grad.float() for n, p in draft.named_parameters() if p.requires_grad}
+        results[backend] = (loss.item(), summarize_metrics(sums), grads)
+    (ls, ms, gs), (lf, mf, gf) = results["sdpa"], results["flex"]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert abs(ls - lf) < tol * max(1.0, abs(ls))
+    assert max(abs(ms[key] - mf[key]) for key in ms if not key.startswith("acc")) < tol * 10
+    for name in gs:
+        scale = gs[name].abs().max().item() + 1e-6
+        assert (gs[name] - gf[name]).abs().max().item() / scale < tol * 10, name

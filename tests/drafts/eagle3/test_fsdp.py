@@ -1,0 +1,51 @@
+"""The objective drives the draft only through forward calls, so FSDP2 (fully_shard) sees every
+parameter use: a sharded draft gives the unsharded loss and gradients (2 gloo ranks on CPU)."""
+
+import os
+import socket
+
+import pytest
+import torch
+
+from specforge_core.drafts.eagle3 import eagle3_loss
+from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
+
+
+def _sharded_worker(rank, world, port, queue):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    draft = tiny_draft(seed=12)
+    fully_shard(draft.midlayer)
+    fully_shard(draft)
+    batch = random_batch(seed=12, lengths=[9, 7], T=9, target_hidden=24)
+    loss, _ = eagle3_loss(draft, batch, target_head(12, 24), ttt_length=4, backend="sdpa")
+    loss.backward()
+    grads = {n: p.grad.full_tensor().tolist() for n, p in draft.named_parameters() if p.requires_grad}
+    if rank == 0:
+        queue.put((loss.item(), grads))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fully_sharded_draft_gives_the_unsharded_loss_and_gradients():
+    import torch.multiprocessing as mp
+
+    draft = tiny_draft(seed=12)
+    batch = random_batch(seed=12, lengths=[9, 7], T=9, target_hidden=24)
+    loss, _ = eagle3_loss(draft, batch, target_head(12, 24), ttt_length=4, backend="sdpa")
+    loss.backward()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").Queue()
+    workers = mp.start_processes(_sharded_worker, args=(2, port, queue), nprocs=2, start_method="spawn", join=False)
+    sharded_loss, sharded_grads = queue.get()  # before join: the worker exits only once this is read
+    while not workers.join():
+        pass
+    assert abs(sharded_loss - loss.item()) < 1e-6
+    for name, param in draft.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(torch.tensor(sharded_grads[name]), param.grad, atol=1e-6, rtol=1e-5)

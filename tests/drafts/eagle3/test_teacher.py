@@ -1,0 +1,46 @@
+"""The compact teacher equals what full [N, V] logits give, while streaming over vocab chunks."""
+
+import torch
+
+from specforge_core.drafts.eagle3.teacher import compute_teacher
+
+
+def full_teacher(h, W, t2d):
+    z = (h @ W.T).double()
+    return torch.softmax(z[..., t2d], -1), torch.softmax(z, -1)[..., t2d], z.argmax(-1)
+
+
+def random_map(V, Vd, seed):
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:Vd]] = True
+    return t2d
+
+
+def test_streamed_teacher_equals_full_vocab_softmax_logsumexp_and_argmax():
+    g = torch.Generator().manual_seed(0)
+    h, W, t2d = torch.randn(3, 11, 16, generator=g), torch.randn(50, 16, generator=g), random_map(50, 20, 0)
+    teacher = compute_teacher(h, W, t2d, vocab_chunk=7, token_chunk=5)
+    probs, target_probs, argmax = full_teacher(h, W, t2d)
+    assert teacher.probs.shape == (3, 11, 20)
+    torch.testing.assert_close(teacher.probs.double(), probs, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(teacher.target_probs().double(), target_probs, atol=1e-6, rtol=1e-5)
+    assert torch.equal(teacher.argmax, argmax)
+    assert torch.equal(teacher.in_draft, t2d[argmax])
+
+
+def test_argmax_tie_across_chunks_takes_the_first_index_like_torch_argmax():
+    W = torch.zeros(10, 2)
+    W[2, 0] = W[8, 0] = 1.0  # tokens 2 and 8 tie; they sit in different vocab chunks
+    teacher = compute_teacher(torch.tensor([[1.0, 0.0]]), W, random_map(10, 4, 1), vocab_chunk=4)
+    assert teacher.argmax.tolist() == [2]
+
+
+def test_logits_are_computed_in_the_head_dtype_then_read_in_fp32():
+    g = torch.Generator().manual_seed(2)
+    h, W = torch.randn(4, 32, generator=g), torch.randn(64, 32, generator=g).bfloat16()
+    t2d = torch.ones(64, dtype=torch.bool)
+    teacher = compute_teacher(h, W, t2d, vocab_chunk=64)
+    in_head_dtype = torch.softmax((h.bfloat16() @ W.T).float(), -1)
+    in_fp32 = torch.softmax(h @ W.float().T, -1)
+    torch.testing.assert_close(teacher.probs, in_head_dtype, atol=1e-6, rtol=1e-5)
+    assert (teacher.probs - in_fp32).abs().max() > 1e-3  # the dtype is visible at this tolerance
