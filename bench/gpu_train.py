@@ -88,9 +88,10 @@ def phase_refs(args, model) -> None:
 
 def make_stream(args, backend, rows, *, batch_size, token_budget, steps):
     from specforge_core.run.plan import PromptPlan
+    from specforge_core.run.topology import Topology
     from specforge_core.runtime.rollout import RolloutStream
 
-    plan = PromptPlan.build(len(rows), seed=args.seed, epochs=1, world_size=1, tp_size=1, batch_size=batch_size,
+    plan = PromptPlan.build(len(rows), seed=args.seed, epochs=1, topology=Topology(1, 1, batch_size),
                             accumulation_steps=1, max_steps=steps)
     return RolloutStream.from_plan(plan, 0, rows, backend, token_budget=token_budget)
 

@@ -25,6 +25,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
 from specforge_core.config import RunConfig, load_config
+from specforge_core.drafts import get_family
 from specforge_core.errors import SpecForgeError
 from tasks.caching import run_cached
 from tasks.data_stages import build_vocab_map, plan_key, prepare_prompt_cache, record_plan, stage_keys
@@ -53,7 +54,9 @@ def colocated_train(config: RunConfig) -> dict:
 
     keys = stage_keys(config)
     cache = run_cached(prepare_prompt_cache, config, key=keys.prompt_cache)
-    vocab = run_cached(build_vocab_map, config, cache, keys.target_vocab_size, key=keys.vocab_map)
+    vocab = None
+    if get_family(config.draft.family).uses_vocab_map:
+        vocab = run_cached(build_vocab_map, config, cache, keys.target_vocab_size, key=keys.vocab_map)
     plan = run_cached(record_plan, config, cache, key=plan_key(config, cache))
     trained = run_cached(train, config, cache, vocab, plan, run_dir=str(run_dir), key=f"{flow_run.id}-{plan.key}")
     if not config.validation.enabled:

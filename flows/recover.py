@@ -30,7 +30,8 @@ from prefect.client.schemas.objects import StateType
 from prefect.states import Crashed
 
 from tasks.process_group import kill_recorded_tree
-from tasks.training import TREE_FILE, run_dir_for
+from specforge_core.run.directory import RunDir
+from tasks.training import run_dir_for
 
 STUCK = {StateType.RUNNING, StateType.PENDING, StateType.CANCELLING}
 
@@ -54,7 +55,7 @@ def _stop_leftover_training(run) -> None:
     if not isinstance(config, dict):
         return
     output_dir = (config.get("output") or {}).get("dir", "runs/default")
-    record = run_dir_for(output_dir, run.name, str(run.id)) / TREE_FILE
+    record = RunDir(run_dir_for(output_dir, run.name, str(run.id))).process_tree
     stopped = kill_recorded_tree(record)
     if stopped:
         print(f"stopped {stopped} leftover training process(es) recorded in {record}")

@@ -52,11 +52,11 @@ def main(argv=None) -> None:
     torch.set_grad_enabled(False)
     cfg = load_config(args.config, args.overrides)
     model, tok = load_target(cfg)
-    draft = load_draft(args.draft, model)
+    family, draft = load_draft(args.draft, model)
     rows = ensure_prompt_cache(cfg, tok).train.select(range(args.rows))
     request = TargetRequest.from_rows([list(map(int, r)) for r in rows["input_ids"]],
                                       [list(map(int, r)) for r in rows["loss_mask"]], slice(0, args.rows))
-    backend = HFCaptureBackend(model, tuple(capture_layers_for(cfg, model, draft)))
+    backend = HFCaptureBackend(model, tuple(capture_layers_for(cfg, model, family, draft)))
     cap = backend.capture(request)
     fields = ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "last_hidden")
     batch = {name: getattr(cap, name) for name in fields}

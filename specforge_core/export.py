@@ -13,22 +13,24 @@ import json
 import sys
 
 from specforge_core.cli import command_parser, run_command
-from specforge_core.drafts.eagle3.serving import (
-    DTYPES, EXPORT_CONFIG, export_draft, load_draft_from_files, resolve_checkpoint_dir,
-)
-from specforge_core.drafts.eagle3.config import capture_layer_ids_of
+from specforge_core.drafts import family_of_files
+from specforge_core.runtime.checkpoint import resolve_checkpoint_dir
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def export(checkpoint: str, out: str, dtype: str = "keep") -> dict:
     step = resolve_checkpoint_dir(checkpoint)
-    model = load_draft_from_files(step)
-    written = export_draft(model, out, dtype=dtype)
+    family = family_of_files(step)
+    model = family.load_checkpoint_files(step)
+    written = family.export(model, out, dtype=dtype)
     return {
         "checkpoint": str(step),
+        "family": family.name,
         "out": str(written),
-        "dtype": json.loads((written / EXPORT_CONFIG).read_text())["torch_dtype"],
+        "dtype": json.loads((written / "config.json").read_text())["torch_dtype"],
         "keys": len(model.draft_state_dict()),
-        "capture_layer_ids": capture_layer_ids_of(model.config),
+        "capture_layer_ids": family.trained_layer_ids(model.config),
     }
 
 

@@ -13,8 +13,6 @@ as Cached in the UI; one whose output was deleted is rebuilt. Each returns a sma
 (key, path, facts) and publishes a markdown artifact describing what it built.
 """
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +51,7 @@ def _plan(config: RunConfig, cache: StageOutput) -> PromptPlan:
 
 def plan_key(config: RunConfig, cache: StageOutput) -> str:
     """sha256 of the plan record: the plan depends on the dataset size and layout, not the content."""
-    record = json.dumps(_plan(config, cache).to_json(), sort_keys=True)
-    return hashlib.sha256(record.encode()).hexdigest()
+    return _plan(config, cache).key
 
 
 def _cache_dir(parameters: dict) -> str:
@@ -92,7 +89,7 @@ def build_vocab_map(config: RunConfig, prompt_cache: StageOutput, target_vocab: 
     vm = ensure_vocab_map(config, open_prompt_cache(prompt_cache.path), target_vocab)
     if vm.key != key and not config.draft.vocab_map_path:
         raise RuntimeError(f"the vocab map was built under key {vm.key[:12]}…, not {key[:12]}…")
-    facts = {"V": target_vocab, "Vd": config.draft.draft_vocab_size,
+    facts = {"V": target_vocab, "Vd": config.draft.draft_vocab_size, "vocab_key": vm.key,
              "coverage": None if vm.coverage is None else round(vm.coverage, 4), "built": vm.built}
     create_markdown_artifact(
         key="vocab-map",
@@ -111,7 +108,7 @@ def record_plan(config: RunConfig, prompt_cache: StageOutput, key: str) -> Stage
     path = plan.save(Path(config.data.cache_dir) / "plans" / f"{key}.json")
     derived = plan.to_json()["derived"]
     facts = {"dataset_size": plan.dataset_size, "world_size": plan.world_size, "tp_size": plan.tp_size,
-             **derived}
+             "plan_key": plan.key, **derived}
     create_markdown_artifact(
         key="training-plan",
         markdown=f"## Prompt plan\n\n{_table({'key': f'`{key[:16]}…`', 'path': f'`{path}`', **facts})}\n",

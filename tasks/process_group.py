@@ -3,8 +3,7 @@
     from tasks.process_group import run_process_group
     outcome = run_process_group(
         ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "specforge_core.train", ...],
-        metrics_path=run_dir / "metrics.jsonl", log_path=run_dir / "train.log",
-        tree_path=run_dir / "train.tree")
+        metrics_path=run.metrics, log_path=run.train_log, tree_path=run.process_tree)
 
 What it guarantees, in order of importance:
 
@@ -45,6 +44,9 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
+
+from specforge_core.io import atomic_write_json
+from specforge_core.run.metrics_file import MetricsFile
 
 STEP_LINE = re.compile(r"\bstep=(\d+)/(\d+)\b")
 # Every process of a launched tree inherits this variable with the tree's own value.
@@ -175,11 +177,7 @@ def stop_process_tree(token: str, *, grace_s: float = 15.0, leader: subprocess.P
 
 def write_tree_record(path: Path, pid: int, token: str) -> None:
     """Record the launched tree (leader pid, start time, tag) for ``kill_recorded_tree``."""
-    record = {"pid": pid, "create_time": psutil.Process(pid).create_time(), "token": token}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    atomic_write_json(path, {"pid": pid, "create_time": psutil.Process(pid).create_time(), "token": token})
 
 
 def kill_recorded_tree(path: Path, *, grace_s: float = 15.0) -> int:
@@ -243,19 +241,9 @@ def _cell(v):
 
 
 def metrics_rows(path: Path, max_rows: int = 200) -> list[dict]:
-    """The newest ``max_rows`` lines of a metrics.jsonl as rows with one column set (a torn last
+    """The newest ``max_rows`` records of a metrics.jsonl as rows with one column set (a torn last
     line, written while we read, is skipped)."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    rows = rows[-max_rows:]
+    rows = MetricsFile(path).records()[-max_rows:]
     columns: dict[str, None] = {}
     for row in rows:
         columns.update(dict.fromkeys(row))

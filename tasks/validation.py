@@ -28,24 +28,24 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from specforge_core.config import RunConfig
-from specforge_core.decoding.evaluation import evaluate
-from specforge_core.drafts.eagle3.serving import export_draft, load_draft_from_files
-from specforge_core.drafts.eagle3.config import load_draft_config
-from specforge_core.drafts.eagle3.model import Eagle3DraftModel
 from specforge_core.data.vocab import load_vocab_map
+from specforge_core.decoding.evaluation import evaluate
+from specforge_core.drafts import load_draft
+from specforge_core.io import atomic_write_text
+from specforge_core.run.directory import RunDir
 from tasks.caching import StageOutput
 from tasks.curves import plot_curves
 from tasks.training import trainer_config
 
 
-def untrained_draft(checkpoint: Path, vocab_map: StageOutput, seed: int, out_dir: Path) -> Path:
-    """Export a freshly initialised draft with the checkpoint's config and the run's vocab map."""
-    config = load_draft_config(checkpoint / "draft_config.json")
+def untrained_draft(family, trained, vocab_map: StageOutput | None, seed: int, out_dir: Path) -> Path:
+    """Export a freshly initialised draft with the trained draft's config (and the run's vocab map)."""
     torch.manual_seed(seed)
-    model = Eagle3DraftModel(config)
-    vm = load_vocab_map(vocab_map.path, config.vocab_size, config.draft_vocab_size)
-    model.set_vocab_map(vm.d2t, vm.t2d)
-    return export_draft(model, out_dir)
+    model = family.new_draft(trained.config)
+    if family.uses_vocab_map:
+        vm = load_vocab_map(vocab_map.path, trained.config.vocab_size, trained.config.draft_vocab_size)
+        model.set_vocab_map(vm.d2t, vm.t2d)
+    return family.export(model, out_dir)
 
 
 def _row(label: str, path: str | None, result: dict | None) -> str:
@@ -55,10 +55,11 @@ def _row(label: str, path: str | None, result: dict | None) -> str:
     return f"| {label} | `{path}` | **{result['acceptance_length']:.3f}** | {per_position} |"
 
 
-def render_summary(rows: dict[str, tuple[str, dict | None]], config: RunConfig, plot_link: str) -> str:
+def render_summary(rows: dict[str, tuple[str, dict | None]], config: RunConfig, plot_link: str,
+                   family: str = "eagle3") -> str:
     v = config.validation
     lines = [
-        "# colocated-train: validation", "",
+        "# colocated-train: validation", "", f"Draft family: **{family}**.", "",
         f"Measured by speculative decoding of {v.num_prompts} held-out prompts with the target "
         f"(greedy, {v.num_steps} draft tokens per verify pass, up to {v.max_new_tokens} new tokens each).", "",
         "| draft | directory | acceptance length | per-position acceptance |", "|---|---|---|---|",
@@ -71,28 +72,28 @@ def render_summary(rows: dict[str, tuple[str, dict | None]], config: RunConfig, 
 
 
 @task(name="validate", cache_policy=NO_CACHE)
-def validate(config: RunConfig, vocab_map: StageOutput, trained: StageOutput, run_dir: str) -> dict:
+def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOutput, run_dir: str) -> dict:
     """Export the draft, measure its acceptance length (and the starting / promoted drafts'), report."""
     logger = get_run_logger()
-    run = Path(run_dir)
-    report_dir = run / "report"
+    run = RunDir(run_dir)
     checkpoint = Path(trained.path)
-    draft_dir = export_draft(load_draft_from_files(checkpoint), run / "draft")
-    logger.info("exported the draft for SGLang/vLLM to %s", draft_dir)
+    family, model = load_draft(checkpoint)
+    draft_dir = family.export(model, run.draft)
+    logger.info("exported the %s draft for SGLang/vLLM to %s", family.name, draft_dir)
     # The trainer's view: output.dir is the run directory, so the evaluator reads its metrics.
-    eval_config = trainer_config(config, run, vocab_map)
+    eval_config = trainer_config(config, run.root, vocab_map)
 
     def measure(label: str, path: Path, metrics_dir: Path) -> dict:
-        result = evaluate(eval_config, path, report_path=report_dir / f"validation-{label}.md", run_dir=metrics_dir)
+        result = evaluate(eval_config, path, report_path=run.validation_report(label), run_dir=metrics_dir)
         logger.info("acceptance length of the %s draft (%s): %.3f", label, path, result["acceptance_length"])
         return result
 
-    after = measure("trained", draft_dir, run)
+    after = measure("trained", draft_dir, run.root)
     warm = bool(config.draft.init_from)
     if warm:
         before_dir = Path(config.draft.init_from)
     else:
-        before_dir = untrained_draft(checkpoint, vocab_map, config.training.seed, run / "draft-untrained")
+        before_dir = untrained_draft(family, model, vocab_map, config.training.seed, run.untrained_draft)
     before = measure("before", before_dir, before_dir)
     rows = {f"before training ({'warm start' if warm else 'untrained'})": (str(before_dir), before),
             "after training": (str(draft_dir), after)}
@@ -103,12 +104,11 @@ def validate(config: RunConfig, vocab_map: StageOutput, trained: StageOutput, ru
         promoted_result = before if same else measure("promoted", promoted, promoted)
         rows["currently promoted"] = (str(promoted), promoted_result)
 
-    plot = plot_curves(run / "metrics.jsonl", report_dir / "curves.png", num_steps=config.validation.num_steps,
+    plot = plot_curves(run.metrics, run.curves, num_steps=config.validation.num_steps,
                        measured={"before": before["acceptance_length"], "after": after["acceptance_length"]})
-    summary = render_summary(rows, config, plot.name)
+    summary = render_summary(rows, config, plot.name, family.name)
     evaluator_report = Path(after["report"]).read_text(encoding="utf-8")
-    report = report_dir / "report.md"
-    report.write_text(summary + "\n" + evaluator_report, encoding="utf-8")
+    report = atomic_write_text(run.report, summary + "\n" + evaluator_report)
     inline = "data:image/png;base64," + base64.b64encode(plot.read_bytes()).decode()
     create_markdown_artifact(
         key="validation-report",
@@ -117,7 +117,7 @@ def validate(config: RunConfig, vocab_map: StageOutput, trained: StageOutput, ru
         description="measured acceptance length before/after training; loss and acceptance curves",
     )
     return {
-        "run_dir": str(run), "draft_dir": str(draft_dir), "report": str(report), "plot": str(plot),
+        "run_dir": str(run.root), "draft_family": family.name, "draft_dir": str(draft_dir), "report": str(report), "plot": str(plot),
         "checkpoint": str(checkpoint),
         "acceptance_length": after["acceptance_length"],
         "acceptance_length_before": before["acceptance_length"],

@@ -10,42 +10,45 @@ injected engine), ``sglang_args`` (engine arguments: argv and kwargs views), ``s
 """
 
 from specforge_core.capture.base import CaptureBackend, CapturedBatch, TargetRequest
+from specforge_core.run.topology import Topology
 
 __all__ = ["CaptureBackend", "CapturedBatch", "TargetRequest", "build_capture_backend"]
 
 
 def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_config=None,
-                          engine_factory=None) -> CaptureBackend:
-    """Load the target for this rank and return its capture backend.
+                          topology: Topology | None = None, target_config=None,
+                          layer_ids: tuple[int, ...] | None = None, engine_factory=None) -> CaptureBackend:
+    """Load the target for ``rank`` of ``topology`` (default: the config's) and return its backend.
 
     Runs the target-dependent checks first (:func:`~specforge_core.capture.target_info.validate_colocated`,
-    capture-layer range). For ``sglang``, ``engine_factory(args, layer_ids, tp_rank=, device=)``
-    builds the engine: SGLang's ``ModelRunnerEngine.start`` by default, ``FakeSGLangEngine.start``
-    in CPU tests.
+    capture-layer range). ``target_config``: the target's config when the caller already read it
+    (preflight), else it is read here. ``layer_ids``: the target layers to capture, as the draft
+    family resolved them (default: EAGLE3's rule, ``target_info.resolve_capture_layers``). For ``sglang``, ``engine_factory(args, layer_ids, place=,
+    device=)`` builds the engine for this rank's place in its island: SGLang's
+    ``ModelRunnerEngine.start`` by default, ``FakeSGLangEngine.start`` in CPU tests.
     """
-    from specforge_core.runtime.device import resolve_device
+    from specforge_core.capture.target_info import load_target_config, resolve_capture_layers, validate_colocated
+    from specforge_core.runtime.device import resolve_device, resolve_dtype
 
+    topology = topology or Topology.from_config(cfg)
+    place = topology.place(rank)
     device = resolve_device(cfg.capture.device, local_rank)
+    target_config = target_config or load_target_config(cfg)
+    validate_colocated(cfg, target_config)
+    layer_ids = tuple(layer_ids) if layer_ids else resolve_capture_layers(cfg, target_config, draft_config)
     if cfg.capture.backend == "hf":
         from specforge_core.capture.hf import HFCaptureBackend
 
-        return HFCaptureBackend.from_config(cfg, device=device, draft_config=draft_config)
+        return HFCaptureBackend.load(cfg, target_config, layer_ids, device=device)
 
-    from transformers import AutoConfig
-
-    from specforge_core.capture.sglang_backend import SGLangCaptureBackend
     from specforge_core.capture.sglang_args import SGLangEngineArgs
-    from specforge_core.capture.target_info import load_target_head, resolve_capture_layers, validate_colocated
-    from specforge_core.runtime.device import resolve_dtype
+    from specforge_core.capture.sglang_backend import SGLangCaptureBackend
+    from specforge_core.capture.target_info import load_target_head
 
-    target_config = AutoConfig.from_pretrained(cfg.model.target, trust_remote_code=cfg.model.trust_remote_code)
-    validate_colocated(cfg, target_config)
-    layer_ids = resolve_capture_layers(cfg, target_config, draft_config)
     if engine_factory is None:
         from specforge_core.capture.sglang_engine import ModelRunnerEngine
 
         engine_factory = ModelRunnerEngine.start
-    args = SGLangEngineArgs.resolve(cfg)
-    engine = engine_factory(args, layer_ids, tp_rank=rank % cfg.training.tp_size, device=device)
+    engine = engine_factory(SGLangEngineArgs.resolve(cfg, topology), layer_ids, place=place, device=device)
     embed, head = load_target_head(cfg.model.target, target_config, resolve_dtype(cfg.model.dtype, device), device)
     return SGLangCaptureBackend(engine, target_config, embed, head)

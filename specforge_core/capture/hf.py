@@ -17,7 +17,7 @@ varlen on GPU), so the target computes no padding and no cross-sample attention;
 are then laid out in this rank's packed rows (``capture/packing.py``).
 
 Target TP on this backend: transformers has no tensor parallelism that works on CPU/gloo, so with
-``training.tp_size > 1`` every TP peer holds the whole target, runs the same TP-wide forward and
+``capture.tp_size > 1`` every TP peer holds the whole target, runs the same TP-wide forward and
 keeps its own rows. That is correct (the peers agree by construction) but costs ``tp_size`` times
 the target compute; use the ``sglang`` backend for real target TP on GPUs.
 """
@@ -67,18 +67,22 @@ class HFCaptureBackend:
 
     @classmethod
     def from_config(cls, cfg, *, device: torch.device, draft_config=None) -> "HFCaptureBackend":
-        """Load ``model.target`` (dtype from ``model.dtype``), check the run against it, hook it."""
+        """Read the target's config, check the run against it, load and hook it."""
+        target_config = load_target_config(cfg)
+        validate_colocated(cfg, target_config)
+        return cls.load(cfg, target_config, resolve_capture_layers(cfg, target_config, draft_config), device=device)
+
+    @classmethod
+    def load(cls, cfg, target_config, layer_ids, *, device: torch.device) -> "HFCaptureBackend":
+        """Load ``model.target`` with its (already checked) config, in ``model.dtype``, and hook it."""
         from transformers import AutoModelForCausalLM
 
-        target_config = load_target_config(cfg)
         load = dict(trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gguf_file:
             load["gguf_file"] = cfg.model.gguf_file
-        validate_colocated(cfg, target_config)
-        layer_ids = resolve_capture_layers(cfg, target_config, draft_config)
-        dtype = resolve_dtype(cfg.model.dtype, device)
         if device.type == "cuda":
             load["device_map"] = str(device)
+        dtype = resolve_dtype(cfg.model.dtype, device)
         model = AutoModelForCausalLM.from_pretrained(cfg.model.target, config=target_config, dtype=dtype, **load)
         return cls(model.to(device), layer_ids, compile=cfg.training.compile)
 

@@ -9,7 +9,7 @@ bare ``--flag``, a ``False`` flag is left out (SGLang's default for every boolea
 become repeated values and ``None`` is left out of both. This module imports no SGLang.
 
 What is resolved (specforge-facts §3.4, §8) for the in-process capture engine:
-``tp_size = training.tp_size`` (one engine per target island), ``pp_size = 1``,
+``tp_size = capture.tp_size`` (one engine per target island), ``pp_size = 1``,
 ``max_running_requests = tp_size × batch_size`` and ``max_total_tokens = that × max_length``
 (one TP-wide batch at a time) unless ``capture.sglang`` sets them, ``context_length =
 data.max_length`` unless set, ``chunked_prefill_size = -1`` (the whole batch in one extend),
@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from specforge_core.run.topology import Topology
+
 
 @dataclass(frozen=True)
 class SGLangEngineArgs:
@@ -31,17 +33,19 @@ class SGLangEngineArgs:
     items: tuple[tuple[str, Any], ...]
 
     @classmethod
-    def resolve(cls, cfg) -> "SGLangEngineArgs":
-        """The engine arguments of a validated :class:`~specforge_core.config.RunConfig`."""
+    def resolve(cls, cfg, topology: Topology | None = None) -> "SGLangEngineArgs":
+        """The engine arguments of a validated :class:`~specforge_core.config.RunConfig` for one
+        island of ``topology`` (default: the config's own)."""
         s, t = cfg.capture.sglang, cfg.training
-        island_batch = t.tp_size * t.batch_size
+        topology = topology or Topology.from_config(cfg)
+        island_batch = topology.island_batch_size
         resolved: dict[str, Any] = {
             "model_path": cfg.model.target,
             # SGLang runs on GPUs only, where the run's "auto" means bfloat16.
             "dtype": "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype,
             "trust_remote_code": cfg.model.trust_remote_code,
             "skip_tokenizer_init": True,
-            "tp_size": t.tp_size,
+            "tp_size": topology.tp_size,
             "pp_size": 1,
             "dp_size": s.dp_size,
             "ep_size": s.ep_size,

@@ -78,8 +78,9 @@ class ModelRunnerEngine:
         self.tp_rank, self.tp_size, self.device = tp_rank, tp_size, device
 
     @classmethod
-    def start(cls, args, layer_ids: Sequence[int], *, tp_rank: int, device: torch.device) -> "ModelRunnerEngine":
+    def start(cls, args, layer_ids: Sequence[int], *, place, device: torch.device) -> "ModelRunnerEngine":
         require_sglang()
+        tp_rank = place.tp_rank
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import ServerArgs

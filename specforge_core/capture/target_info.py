@@ -91,7 +91,7 @@ def validate_colocated(cfg, target_config) -> None:
       context (the draft unrolls ``ttt_length`` positions past the longest row, with the target's
       RoPE);
     - the SGLang engine's ``capture.sglang.context_length`` may not exceed that context;
-    - SGLang target TP: ``training.tp_size`` must divide the attention heads;
+    - SGLang target TP: ``capture.tp_size`` must divide the attention heads;
     - the teacher is ``last_hidden @ lm_head^T``: targets that soft-cap or scale logits are refused;
     - packing: a sample of ``data.max_length`` tokens must fit one row of ``training.token_budget``.
     """
@@ -132,12 +132,12 @@ def validate_colocated(cfg, target_config) -> None:
             where="capture.sglang.context_length",
             fix=f"set capture.sglang.context_length ≤ {context}, or remove it (default: data.max_length)",
         )
-    heads = getattr(text, "num_attention_heads", None)
-    if heads is not None and heads % cfg.training.tp_size:
+    heads, tp = getattr(text, "num_attention_heads", None), cfg.capture.tp_size
+    if heads is not None and heads % tp:
         raise ConfigError(
-            f"training.tp_size={cfg.training.tp_size} does not divide the target's {heads} attention heads",
-            where="training.tp_size",
-            fix="choose a training.tp_size that divides num_attention_heads",
+            f"capture.tp_size={tp} does not divide the target's {heads} attention heads",
+            where="capture.tp_size",
+            fix="choose a capture.tp_size that divides num_attention_heads",
         )
 
 

@@ -13,6 +13,7 @@ target is loaded (``specforge_core.capture.target_info.validate_colocated``), no
 
 import difflib
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specforge_core.errors import ConfigError
+
+
+class ConfigDeprecationWarning(UserWarning):
+    """A config field was renamed or moved; the old spelling still loads (shown to users by default)."""
 
 
 class _Section(BaseModel):
@@ -92,8 +97,11 @@ class DataConfig(_Section):
 
 
 class DraftConfig(_Section):
-    """The EAGLE3 draft model."""
+    """The draft model: its family, and the EAGLE3 family's fields (``draft.dflash`` holds DFlash's)."""
 
+    family: Literal["eagle3"] = Field(
+        "eagle3", description="Draft family: eagle3 (one layer over 3 captured target layers, chain drafting)."
+    )
     config_path: str | None = Field(None, description="Draft config JSON; generated from the target if unset.")
     draft_vocab_size: int = Field(32000, gt=0, description="Draft vocabulary size Vd (≤ target vocab).")
     init_from: str | None = Field(
@@ -119,7 +127,6 @@ class TrainingConfig(_Section):
     max_grad_norm: float = Field(0.5, gt=0)
     ttt_length: int = Field(7, ge=1, le=16, description="Unrolled training-time-test steps K.")
     ploss_decay: float = Field(0.8, gt=0, le=1, description="Weight of step k is decay**k.")
-    tp_size: int = Field(1, ge=1, description="Target tensor-parallel island width.")
     sp_size: int = Field(1, ge=1, description="Sequence parallelism (must be 1 for local_colocated).")
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Draft parameter dtype; bfloat16 keeps fp32 master weights."
@@ -168,13 +175,17 @@ class SGLangConfig(_Section):
         if owned:
             raise ValueError(
                 f"sets {', '.join(owned)}, which the run resolves itself; set them through their own "
-                "fields (capture.sglang.*, training.tp_size, data.max_length, model.*) instead"
+                "fields (capture.sglang.*, capture.tp_size, data.max_length, model.*) instead"
             )
         return v
 
 
 class CaptureConfig(_Section):
     backend: Literal["hf", "sglang"] = "hf"
+    tp_size: int = Field(
+        1, ge=1, description="Target tensor-parallel island width: this many consecutive ranks hold one "
+        "target replica and capture one batch together (run/topology.py)."
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     teacher_chunk_size: int = Field(32768, gt=0, description="Vocab chunk for the streamed teacher.")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
@@ -244,6 +255,31 @@ class RunConfig(_Section):
     output: OutputConfig = Field(default_factory=OutputConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        """``training.tp_size`` (before 2026-12) is ``capture.tp_size``: still loaded, with a warning."""
+        if not isinstance(data, dict) or not isinstance(data.get("training"), dict) or "tp_size" not in data["training"]:
+            return data
+        data = {**data, "training": dict(data["training"])}
+        old = data["training"].pop("tp_size")
+        capture = data.get("capture") or {}
+        if isinstance(capture, dict):  # anything else is refused by the section's own validation
+            capture = dict(capture)
+            if "tp_size" in capture and capture["tp_size"] != old:
+                raise ValueError(
+                    f"training.tp_size={old} and capture.tp_size={capture['tp_size']} disagree; training.tp_size "
+                    "is the old name of capture.tp_size: remove it"
+                )
+            capture.setdefault("tp_size", old)
+            data["capture"] = capture
+        warnings.warn(
+            "training.tp_size is deprecated: the island width is the target's capture layout, "
+            "write capture.tp_size instead (the value was moved there)",
+            ConfigDeprecationWarning, stacklevel=2,
+        )
+        return data
+
     @model_validator(mode="after")
     def _colocated_topology(self) -> "RunConfig":
         t, d = self.training, self.deployment
@@ -252,11 +288,12 @@ class RunConfig(_Section):
                 f"training.sp_size={t.sp_size}: sequence parallelism is not supported in "
                 "deployment.mode=local_colocated; set training.sp_size=1"
             )
-        if d.world_size % t.tp_size:
+        tp = self.capture.tp_size
+        if d.world_size % tp:
             raise ValueError(
-                f"training.tp_size={t.tp_size} must divide the world size "
+                f"capture.tp_size={tp} must divide the world size "
                 f"(deployment.nproc_per_node × nnodes = {d.world_size}); "
-                "change training.tp_size or deployment.nproc_per_node"
+                "change capture.tp_size or deployment.nproc_per_node"
             )
         if self.capture.backend == "sglang":
             self._check_sglang_capacity()
@@ -264,18 +301,18 @@ class RunConfig(_Section):
 
     def _check_sglang_capacity(self) -> None:
         """The engine must hold one TP-wide batch: tp_size × batch_size rows of max_length tokens."""
-        t, s, max_len = self.training, self.capture.sglang, self.data.max_length
-        rows = t.tp_size * t.batch_size
-        if t.tp_size % s.ep_size:
+        t, s, max_len, tp = self.training, self.capture.sglang, self.data.max_length, self.capture.tp_size
+        rows = tp * t.batch_size
+        if tp % s.ep_size:
             raise ValueError(
-                f"capture.sglang.ep_size={s.ep_size} must divide training.tp_size={t.tp_size} "
+                f"capture.sglang.ep_size={s.ep_size} must divide capture.tp_size={tp} "
                 "(experts are sharded inside the island's TP group); set capture.sglang.ep_size to a "
-                "divisor of training.tp_size"
+                "divisor of capture.tp_size"
             )
         if s.max_running_requests is not None and s.max_running_requests < rows:
             raise ValueError(
                 f"capture.sglang.max_running_requests={s.max_running_requests} is below one TP-wide batch "
-                f"(training.tp_size × training.batch_size = {rows}); raise it to ≥ {rows} or remove it"
+                f"(capture.tp_size × training.batch_size = {rows}); raise it to ≥ {rows} or remove it"
             )
         if s.max_total_tokens is not None and s.max_total_tokens < rows * max_len:
             raise ValueError(

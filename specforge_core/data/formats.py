@@ -22,7 +22,6 @@ import datetime as _dt
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 
 import fsspec
 
+from specforge_core.io import atomic_write_json
 from specforge_core.errors import DataError
 
 FORMATS = ("conversations", "sharegpt", "messages", "text", "tokenized")
@@ -364,15 +364,11 @@ def source_digest(url: str, storage_options: dict | None = None, memo_dir: str |
         if memo.exists():
             return json.loads(memo.read_text())["sha256"]
     hashed_at = time.time()
-    h = hashlib.sha256()
+    h = hashlib.sha256()  # streamed from any fsspec URL (io.sha256_file reads local paths only)
     with _open(url, opts) as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     digest = h.hexdigest()
     if memo is not None and (tagged or mtime < hashed_at - _RACY_S):
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=memo.parent, prefix=".tmp-")
-        with os.fdopen(fd, "w") as out:
-            json.dump({"url": url, "sha256": digest}, out)
-        os.replace(tmp, memo)
+        atomic_write_json(memo, {"url": url, "sha256": digest}, indent=None)
     return digest

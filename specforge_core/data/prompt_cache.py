@@ -41,6 +41,7 @@ import numpy as np
 
 from specforge_core.data.formats import BadRow, Row, detect_format, iter_records, parse_record, source_digest
 from specforge_core.data.tokenize import RowTokenizer, Tokenized, effective_template
+from specforge_core.io import fsync_dir, fsync_file, sha256_file
 from specforge_core.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -171,9 +172,9 @@ def ensure_prompt_cache(cfg, tokenizer) -> PromptCache:
             meta["files"] = {name: _file_sum(tmp / name) for name in DATA_FILES}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             for name in (*DATA_FILES, "meta.json"):
-                _fsync(tmp / name)
+                fsync_file(tmp / name)
             os.rename(tmp, final)
-            _fsync(root)  # the rename itself survives a power cut
+            fsync_dir(root)  # the rename itself survives a power cut
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -200,19 +201,7 @@ def _rebuild_fix(path: Path) -> str:
 
 
 def _file_sum(path: Path) -> dict:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def _read_meta(path: Path) -> dict:

@@ -23,13 +23,13 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specforge_core.io import atomic_write_bytes
 from specforge_core.errors import DataError, ModelError
 
 SCHEMA_VERSION = 2  # 2: the sidecar carries the .pt's sha256
@@ -109,7 +109,7 @@ def ensure_vocab_map(cfg, cache, target_vocab_size: int) -> VocabMap:
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{key}.lock")):
         if not path.exists():
-            for tmp in root.glob(f".tmp-{key}.*"):  # left by a killed build; we hold the key's lock
+            for tmp in root.glob(f".{key}.*.tmp"):  # left by a killed build; we hold the key's lock
                 tmp.unlink(missing_ok=True)
             _build(cache, key, path, V, Vd)
             built = True
@@ -147,22 +147,8 @@ def _build(cache, key: str, path: Path, V: int, Vd: int) -> None:
         "distinct_tokens": None if counts is None else int((counts > 0).sum()),
         "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
     }
-    _atomic(path.with_suffix(".json"), json.dumps(sidecar, indent=1).encode())
-    _atomic(path, data)  # written last: marks completion
-
-
-def _atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared by all ranks/users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path.with_suffix(".json"), json.dumps(sidecar, indent=1).encode(), durable=True)
+    atomic_write_bytes(path, data, durable=True)  # written last: marks completion
 
 
 def load_vocab_map(path: str | Path, target_vocab_size: int, draft_vocab_size: int) -> VocabMap:

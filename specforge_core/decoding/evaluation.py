@@ -11,39 +11,30 @@ metrics beside the measured one. ``python -m specforge_core.evaluate`` and the f
 task call :func:`evaluate`.
 """
 
-import os
 from pathlib import Path
 
-from specforge_core.errors import DataError, ModelError
 from specforge_core.decoding.measure import measure_acceptance
-from specforge_core.decoding.report import checkpoint_step, last_metrics, render_report, simulated_acceptance
+from specforge_core.decoding.report import render_report, simulated_acceptance
 from specforge_core.decoding.verifier import load_target, stop_token_ids
+from specforge_core.errors import DataError, ModelError
+from specforge_core.io import atomic_write_text
+from specforge_core.run.directory import RunDir
+from specforge_core.runtime.checkpoint import checkpoint_step
 
 
 def load_draft(path: str | Path, model):
-    """The draft at ``path`` (export, checkpoint step or run directory), on the target's device and
-    dtype, with the target's input embedding loaded."""
-    from specforge_core.drafts.eagle3.serving import (
-        EXPORT_CONFIG, EXPORT_WEIGHTS, load_draft_from_files, load_exported_draft, resolve_checkpoint_dir,
-    )
+    """``(family, draft)``: the draft at ``path`` (export, checkpoint step or run directory), ready
+    to decode beside ``model`` (its device and dtype, the target's embedding where it uses one)."""
+    from specforge_core.drafts import load_draft as load_files
 
-    path = Path(path)
-    if (path / EXPORT_CONFIG).is_file() and (path / EXPORT_WEIGHTS).is_file():
-        draft = load_exported_draft(path)
-    else:
-        draft = load_draft_from_files(resolve_checkpoint_dir(path))
-    draft.cast_params(model.dtype)
-    draft.load_embedding(model.get_input_embeddings().weight.detach().cpu())
-    return draft.to(model.device).eval()
+    family, draft = load_files(path)
+    return family, family.prepare_for_decoding(draft, model)
 
 
-def capture_layers_for(cfg, model, draft) -> list[int]:
+def capture_layers_for(cfg, model, family, draft) -> list[int]:
     """The capture layers to feed ``draft``; refuses ids that differ from those it was trained on."""
-    from specforge_core.capture.target_info import resolve_capture_layers
-    from specforge_core.drafts.eagle3.config import capture_layer_ids_of
-
-    ids = list(resolve_capture_layers(cfg, model.config, draft.config))
-    trained = capture_layer_ids_of(draft.config)
+    ids = list(family.capture_layer_ids(cfg, model.config, draft.config))
+    trained = family.trained_layer_ids(draft.config)
     if trained is not None and list(trained) != ids:
         raise ModelError(
             f"model.capture_layer_ids {ids} differ from the layers the draft was trained on {list(trained)}",
@@ -82,25 +73,23 @@ def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_n
     num_steps = v.num_steps if num_steps is None else num_steps
     max_new_tokens = v.max_new_tokens if max_new_tokens is None else max_new_tokens
     num_prompts = v.num_prompts if num_prompts is None else num_prompts
-    run_dir = Path(run_dir or cfg.output.dir)
-    report_path = Path(report_path or Path(cfg.output.dir) / "validation.md")
+    run_dir = RunDir(run_dir or cfg.output.dir)
+    report_path = Path(report_path or RunDir(cfg.output.dir).evaluation_report)
 
     model, tok = load_target(cfg)
-    draft = load_draft(draft_path, model)
-    capture_ids = capture_layers_for(cfg, model, draft)
+    family, draft = load_draft(draft_path, model)
+    capture_ids = capture_layers_for(cfg, model, family, draft)
     prompts = held_out_prompts(cfg, tok, num_prompts)
     stops = stop_token_ids(model, tok, ChatRenderer(tok).end_of_turn)
-    measured = measure_acceptance(model, draft, prompts, stop_ids=stops, capture_layer_ids=capture_ids,
+    measured = measure_acceptance(model, family.drafter(draft), prompts, stop_ids=stops, capture_layer_ids=capture_ids,
                                   num_steps=num_steps, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                   check_lossless=check_lossless)
     # a checkpoint's own training figures, not the run's last line (which may be later)
-    simulated = simulated_acceptance(last_metrics(run_dir, at_step=checkpoint_step(draft_path)), num_steps)
-    meta = {"draft": str(draft_path), "target": cfg.model.target, "capture layers": capture_ids,
-            "max new tokens": max_new_tokens, "training metrics": str(run_dir / "metrics.jsonl")}
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = report_path.with_name(f".{report_path.name}.tmp")
-    tmp.write_text(render_report(measured, simulated, meta), encoding="utf-8")
-    os.replace(tmp, report_path)
+    simulated = simulated_acceptance(run_dir.metrics_file().last(at_step=checkpoint_step(draft_path)), num_steps)
+    meta = {"draft": str(draft_path), "draft family": family.name, "target": cfg.model.target,
+            "capture layers": capture_ids, "max new tokens": max_new_tokens,
+            "training metrics": str(run_dir.metrics)}
+    atomic_write_text(report_path, render_report(measured, simulated, meta))
     return {**measured, "max_new_tokens": max_new_tokens,
             "simulated_acceptance_length": simulated["acceptance_length"] if simulated else None,
             "report": str(report_path)}

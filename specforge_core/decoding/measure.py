@@ -10,23 +10,21 @@ output.
 import time
 
 from specforge_core.decoding.acceptance import AcceptanceStats
-from specforge_core.drafts.eagle3.decoding import DraftRunner
 from specforge_core.decoding.speculative import decode_batch
 from specforge_core.decoding.verifier import DecodingTarget
 
 
-def measure_acceptance(model, draft, prompts: list[list[int]], *, stop_ids: set[int], capture_layer_ids: list[int],
+def measure_acceptance(model, drafter, prompts: list[list[int]], *, stop_ids: set[int], capture_layer_ids: list[int],
                        num_steps: int, max_new_tokens: int, batch_size: int = 8,
                        check_lossless: bool = False) -> dict:
     """Acceptance figures (``AcceptanceStats.summary``) plus timing and the losslessness check.
 
-    ``model``: the HF target; ``draft``: an ``Eagle3DraftModel`` on the same device whose
-    embedding is the target's; ``prompts``: token ids ending with the generation prompt.
+    ``model``: the HF target; ``drafter``: the draft family's decoding step
+    (``family.drafter(draft)``, a ``decoding.speculative.Drafter``) on the same device; ``prompts``: token ids ending with the generation prompt.
     Batching only shares the weight reads (each prompt is decoded as if alone); prompts of
     similar length are batched together.
     """
     target = DecodingTarget(model, capture_layer_ids)
-    runner = DraftRunner(draft)
     stats = AcceptanceStats(num_steps)
     mismatched = []
     spec_s = greedy_s = 0.0
@@ -37,7 +35,7 @@ def measure_acceptance(model, draft, prompts: list[list[int]], *, stop_ids: set[
             batch = [prompts[i] for i in chunk]
             t0 = time.perf_counter()
             gens = decode_batch(target, batch, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                drafter=runner, num_steps=num_steps)
+                                drafter=drafter, num_steps=num_steps)
             spec_s += time.perf_counter() - t0
             for gen in gens:
                 stats.add(gen)

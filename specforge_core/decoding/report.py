@@ -7,39 +7,13 @@ being accepted, so the measured figure on held-out prompts is usually lower; the
 both side by side so the gap is visible.
 """
 
-import json
 import math
-import re
-from pathlib import Path
 
 
 # The trainer's own simulated figure, whichever name it is logged under (with the bonus token first).
 _TRAINER_SIMULATED_KEYS = (
     "simulated_accept_length_with_bonus", "simulated_acceptance_length", "simulated_accept_length",
 )
-
-
-def last_metrics(run_dir: str | Path, at_step: int | None = None) -> dict | None:
-    """The last JSON line of ``<run_dir>/metrics.jsonl`` (None if there is none); with ``at_step``,
-    the last one logged at or before that optimizer step (the figures of an earlier checkpoint)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    for line in reversed(lines):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line from a crashed writer
-        if at_step is None or row.get("step", 0) <= at_step:
-            return row
-    return None
-
-
-def checkpoint_step(path: str | Path) -> int | None:
-    """The optimizer step of a checkpoint directory ``.../step-00000100`` (None for anything else)."""
-    m = re.fullmatch(r"step-(\d+)", Path(path).name)
-    return int(m.group(1)) if m else None
 
 
 def chain_acceptance_length(accs: list[float], num_steps: int) -> float:

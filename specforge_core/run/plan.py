@@ -1,12 +1,12 @@
 """The prompt plan: which rank trains which prompt, in which epoch and micro-step.
 
-    plan = PromptPlan.build(dataset_size=N, seed=42, epochs=2, world_size=4, tp_size=2,
-                            batch_size=4, accumulation_steps=2)
+    plan = PromptPlan.build(N, seed=42, epochs=2, topology=Topology(world_size=4, tp_size=2, batch_size=4),
+                            accumulation_steps=2)
     plan.save("runs/x/plan.json");  PromptPlan.load("runs/x/plan.json") == plan
     for batch in plan.island_batches(rank, start_sample=0): ...   # lazy, one TP-wide batch each
 
-A pure, deterministic function of (dataset size, seed, epochs, world size, training.tp_size,
-batch size, accumulation steps, max_steps):
+A pure, deterministic function of (dataset size, seed, epochs, the :class:`Topology` — world size,
+``capture.tp_size``, batch size —, accumulation steps, max_steps):
 
 - **Epoch order**: epoch ``e`` visits the prompts in ``torch.randperm(N)`` seeded ``seed + e``.
 - **Kept prompts**: an epoch keeps the first ``steps_per_epoch × W·B·A`` prompts of its
@@ -15,8 +15,8 @@ batch size, accumulation steps, max_steps):
   ``W·B·A`` does not depend on ``tp_size``, so every TP layout of the same world keeps the same
   prompts — and, because islands stride the kept prompts, every global micro-step trains the same
   ``W·B`` prompts (``kept[s·W·B : (s+1)·W·B]``) whatever the TP layout.
-- **Islands**: ``tp_size`` consecutive ranks form a target island (``island = rank // tp_size``,
-  the same grouping SGLang uses for its TP groups). Island ``i`` of ``I = W / tp_size`` takes the
+- **Islands**: ``tp_size`` consecutive ranks form a target island (``run/topology.py``; each
+  island is one SGLang TP group). Island ``i`` of ``I = W / tp_size`` takes the
   strided shard ``kept[i::I]``: equal sizes, a whole number of TP-wide batches of ``tp_size × B``.
 - **TP peers**: micro-step ``s`` of island ``i`` is the TP-wide batch ``shard[s·tp·B : (s+1)·tp·B]``;
   TP peer ``r = rank % tp_size`` trains rows ``[r·B, (r+1)·B)`` of it.
@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 
 from specforge_core.errors import ConfigError, ResumeError
+from specforge_core.io import atomic_write_json
+from specforge_core.run.topology import Topology
 
 PLAN_FORMAT = "specforge-prompt-plan/1"
 
@@ -107,62 +109,56 @@ class PromptPlan:
     def build(
         cls,
         dataset_size: int,
+        *,
         seed: int,
         epochs: int,
-        world_size: int,
-        tp_size: int,
-        batch_size: int,
+        topology: Topology,
         accumulation_steps: int,
         max_steps: int | None = None,
     ) -> "PromptPlan":
         """Validate the layout and return the plan; raises ConfigError naming the field to change."""
-        for name, value in (
-            ("training.num_epochs", epochs),
-            ("deployment.nproc_per_node × nnodes", world_size),
-            ("training.tp_size", tp_size),
-            ("training.batch_size", batch_size),
-            ("training.accumulation_steps", accumulation_steps),
-        ):
+        for name, value in (("training.num_epochs", epochs), ("training.accumulation_steps", accumulation_steps)):
             if value < 1:
                 raise ConfigError(f"must be at least 1, got {value}", where=name, fix=f"set {name} ≥ 1")
         if max_steps is not None and max_steps < 1:
             raise ConfigError(f"must be at least 1, got {max_steps}", where="training.max_steps",
                               fix="remove training.max_steps or set it ≥ 1")
-        if world_size % tp_size:
-            raise ConfigError(
-                f"training.tp_size={tp_size} does not divide the world size {world_size}",
-                where="training.tp_size",
-                fix="choose a tp_size that divides deployment.nproc_per_node × nnodes",
-            )
-        step = world_size * batch_size * accumulation_steps
+        world, batch = topology.world_size, topology.batch_size
+        step = world * batch * accumulation_steps
         if dataset_size < step:
             raise ConfigError(
                 f"the dataset has {dataset_size} prompts, fewer than one optimizer step needs "
-                f"(world {world_size} × batch {batch_size} × accumulation {accumulation_steps} = {step})",
+                f"(world {world} × batch {batch} × accumulation {accumulation_steps} = {step})",
                 where="training.batch_size",
                 fix="add training data, or lower training.batch_size / training.accumulation_steps",
             )
         digest = _digest(epoch_permutation(dataset_size, seed, 0))
-        return cls(dataset_size, seed, epochs, world_size, tp_size, batch_size, accumulation_steps,
+        return cls(dataset_size, seed, epochs, world, topology.tp_size, batch, accumulation_steps,
                    max_steps, digest)
 
     @classmethod
-    def from_config(cls, cfg, dataset_size: int) -> "PromptPlan":
-        """The plan of a :class:`~specforge_core.config.RunConfig` over ``dataset_size`` prompts."""
+    def from_config(cls, cfg, dataset_size: int, *, topology: Topology | None = None) -> "PromptPlan":
+        """The plan of a :class:`~specforge_core.config.RunConfig` over ``dataset_size`` prompts
+        (``topology``: the run's, default the config's own)."""
         t = cfg.training
-        return cls.build(dataset_size, t.seed, t.num_epochs, cfg.deployment.world_size, t.tp_size,
-                         t.batch_size, t.accumulation_steps, t.max_steps)
+        return cls.build(dataset_size, seed=t.seed, epochs=t.num_epochs,
+                         topology=topology or Topology.from_config(cfg),
+                         accumulation_steps=t.accumulation_steps, max_steps=t.max_steps)
 
     # ---- derived numbers ---------------------------------------------------------------------
 
     @property
+    def topology(self) -> Topology:
+        return Topology(self.world_size, self.tp_size, self.batch_size)
+
+    @property
     def num_islands(self) -> int:
-        return self.world_size // self.tp_size
+        return self.topology.num_islands
 
     @property
     def island_batch_size(self) -> int:
         """Prompts in one TP-wide target batch (captured together by an island's TP peers)."""
-        return self.tp_size * self.batch_size
+        return self.topology.island_batch_size
 
     @property
     def samples_per_micro_step(self) -> int:
@@ -218,14 +214,6 @@ class PromptPlan:
         """Samples each rank trains over the whole plan."""
         return self.total_micro_steps * self.batch_size
 
-    def island_of(self, rank: int) -> int:
-        self._check_rank(rank)
-        return rank // self.tp_size
-
-    def tp_rank_of(self, rank: int) -> int:
-        self._check_rank(rank)
-        return rank % self.tp_size
-
     # ---- tasks -------------------------------------------------------------------------------
 
     def island_shard(self, island: int, epoch: int) -> list[int]:
@@ -245,7 +233,7 @@ class PromptPlan:
         of ``batch_size``. Only the current epoch's permutation is ever materialised, and skipped
         micro-steps are jumped over without producing their tasks.
         """
-        island, tp_rank = self.island_of(rank), self.tp_rank_of(rank)
+        place = self.topology.place(rank)
         if start_sample % self.batch_size or not 0 <= start_sample <= self.local_samples_total:
             raise ResumeError(
                 f"start sample {start_sample} is not a multiple of the batch size {self.batch_size} "
@@ -253,7 +241,7 @@ class PromptPlan:
                 where="prompt plan",
                 fix="resume from a checkpoint written by this plan (its samples count per rank)",
             )
-        width, local = self.island_batch_size, slice(tp_rank * self.batch_size, (tp_rank + 1) * self.batch_size)
+        island, width, local = place.island, self.island_batch_size, place.local
         shard: list[int] = []
         shard_epoch = -1
         for micro in range(start_sample // self.batch_size, self.total_micro_steps):
@@ -265,10 +253,6 @@ class PromptPlan:
                 PromptTask(island, epoch, slot, shard[slot]) for slot in range(first, first + width)
             )
             yield IslandBatch(epoch=epoch, micro_step=micro, tasks=tasks, local=local)
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} out of range [0, {self.world_size})")
 
     # ---- record ------------------------------------------------------------------------------
 
@@ -295,10 +279,13 @@ class PromptPlan:
                 where=where,
                 fix="record the plan again with this version (a new run), or use the version that wrote it",
             )
-        inputs = {k: record[k] for k in (
-            "dataset_size", "seed", "epochs", "world_size", "tp_size", "batch_size", "accumulation_steps",
-        )}
-        plan = cls.build(**inputs, max_steps=record.get("max_steps"))
+        try:
+            topology = Topology(record["world_size"], record["tp_size"], record["batch_size"])
+            plan = cls.build(record["dataset_size"], seed=record["seed"], epochs=record["epochs"], topology=topology,
+                             accumulation_steps=record["accumulation_steps"], max_steps=record.get("max_steps"))
+        except KeyError as e:
+            raise ResumeError(f"the plan record has no {e.args[0]!r}", where=where,
+                              fix="record the plan again (a new run)") from None
         if record.get("permutation_sha256") != plan.permutation_sha256:
             raise ResumeError(
                 "this torch orders the epoch permutation differently from the one that recorded the plan",
@@ -307,14 +294,14 @@ class PromptPlan:
             )
         return plan
 
+    @property
+    def key(self) -> str:
+        """sha256 of the plan record: equal plans, equal keys (the Prefect cache key of record_plan)."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
     def save(self, path: str | Path) -> Path:
         """Write plan.json atomically (write a temporary file, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
-        return path
+        return atomic_write_json(path, self.to_json(), durable=True)
 
     @classmethod
     def load(cls, path: str | Path) -> "PromptPlan":

@@ -22,7 +22,6 @@ checkpoint with the current run's and raises ResumeError listing every differenc
 All functions taking a ``Dist`` are collective: every rank calls them in the same order.
 """
 
-import hashlib
 import json
 import os
 import random
@@ -46,9 +45,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from specforge_core.errors import CheckpointError, ResumeError
+from specforge_core.io import atomic_write_text, fsync_dir, fsync_file, sha256_file, write_durably
+from specforge_core.run.directory import RunDir
 from specforge_core.runtime.distributed import Dist, all_gather_object, barrier
 
 FORMAT_VERSION = 1
+DRAFT_CONFIG = "draft_config.json"
 DRAFT_WEIGHTS = "draft.safetensors"
 TRAIN_STATE = "train_state.json"
 COMPLETE = "COMPLETE"
@@ -57,11 +59,17 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The optimizer step of a checkpoint directory ``.../step-00000100`` (None for any other path)."""
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 def rank_file_name(rank: int) -> str:
@@ -70,34 +78,6 @@ def rank_file_name(rank: int) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Files
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -150,7 +130,7 @@ def verify_files(ckpt: Path, names: list[str]) -> None:
                 where=str(path),
                 fix=f"restore the file, or delete {ckpt} to resume from the previous checkpoint",
             )
-        if _sha256(path) != sums[name]:
+        if sha256_file(path) != sums[name]:
             raise CheckpointError(
                 f"{name} does not match its sha256 in COMPLETE (corrupt or modified after the save)",
                 where=str(path),
@@ -252,6 +232,8 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         for stale in [*root.glob(".step-*.tmp"), *root.glob(".step-*.deleting")]:  # a crashed save/delete
             shutil.rmtree(stale)
+        for stale in root.glob(f".{LATEST}.*.tmp"):  # a crash while replacing the pointer
+            stale.unlink(missing_ok=True)
         tmp.mkdir()
     barrier(d)
 
@@ -270,18 +252,18 @@ def save_checkpoint(
     try:
         rank_path = tmp / rank_file_name(d.rank)
         torch.save(rank_state, rank_path)
-        _fsync_file(rank_path)
-        written[rank_path.name] = _sha256(rank_path)
+        fsync_file(rank_path)
+        written[rank_path.name] = sha256_file(rank_path)
         if d.is_main:
             leaked = sorted(set(weights) & _frozen_names(draft))
             assert not leaked, f"frozen parameters in the saved state: {leaked}"
             write_draft_files(tmp, weights)
             state = {**train_state, "step": step, "format": FORMAT_VERSION}
-            _write_text(tmp / TRAIN_STATE, json.dumps(state, indent=2, sort_keys=True))
+            write_durably(tmp / TRAIN_STATE, json.dumps(state, indent=2, sort_keys=True))
             for path in tmp.iterdir():
                 if not path.name.startswith(("rank-", ".")):  # rank files are hashed by their ranks
-                    _fsync_file(path)
-                    written[path.name] = _sha256(path)
+                    fsync_file(path)
+                    written[path.name] = sha256_file(path)
     except OSError as e:
         error = CheckpointError(
             f"could not write the checkpoint: {e}", where=str(tmp), fix="free disk space or fix permissions"
@@ -296,16 +278,13 @@ def save_checkpoint(
         raise error
 
     if d.is_main:
-        _write_text(tmp / COMPLETE, json.dumps({"step": step, "files": dict(sorted(sums.items()))}, indent=2))
-        _fsync_dir(tmp)
+        write_durably(tmp / COMPLETE, json.dumps({"step": step, "files": dict(sorted(sums.items()))}, indent=2))
+        fsync_dir(tmp)
         if final.exists():  # a re-save of the same step after resuming from an earlier one
             _remove_dir(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
-        pointer = root / f".{LATEST}.tmp"
-        _write_text(pointer, final.name + "\n")
-        os.replace(pointer, root / LATEST)
-        _fsync_dir(root)
+        fsync_dir(root)
+        atomic_write_text(root / LATEST, final.name + "\n", durable=True)
         for old in complete_checkpoints(run_dir)[:-keep]:
             _remove_dir(old)
     barrier(d)
@@ -420,3 +399,26 @@ def check_resume(recorded: dict, current: dict, *, where: str) -> None:
             fix="resume with the recorded values (same config, data, plan and world size), or start "
             "a fresh run in a new output.dir",
         )
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """A step directory as given, or the newest one of a run directory (``checkpoints/latest``)."""
+    path = Path(path)
+    if (path / DRAFT_CONFIG).exists():
+        return path
+    for checkpoints in (path / "checkpoints", path):
+        latest = checkpoints / "latest"
+        if latest.is_file():
+            step = checkpoints / latest.read_text().strip()
+            if (step / DRAFT_CONFIG).exists():
+                return step
+            raise CheckpointError(
+                f"checkpoints/latest names {step.name}, which has no {DRAFT_CONFIG}",
+                where=str(latest),
+                fix="point --checkpoint at a complete step directory",
+            )
+    raise CheckpointError(
+        f"neither a checkpoint step directory ({DRAFT_CONFIG}) nor a run directory (checkpoints/latest)",
+        where=str(path),
+        fix="pass a run directory or one of its checkpoints/step-* directories",
+    )

@@ -27,8 +27,6 @@ What the numbers mean:
   features; all maxima over ranks.
 """
 
-import json
-import os
 import resource
 import time
 from collections.abc import Callable
@@ -36,11 +34,11 @@ from pathlib import Path
 
 import torch
 
+from specforge_core.run.metrics_file import METRICS_FILE, MetricsFile
 from specforge_core.runtime.distributed import Dist, all_reduce
 
 MetricsRecord = dict[str, float | int]
 Subscriber = Callable[[MetricsRecord], None]
-METRICS_FILE = "metrics.jsonl"
 
 
 def _peak_memory(device: torch.device) -> dict[str, int]:
@@ -92,7 +90,8 @@ class MetricsLogger:
         sp_size: int = 1,
         echo: bool = True,
     ):
-        self.path = Path(run_dir) / METRICS_FILE
+        self.file = MetricsFile(Path(run_dir) / METRICS_FILE)
+        self.path = self.file.path
         self.d = d
         self.total_steps = total_steps
         self.derive = derive
@@ -156,16 +155,8 @@ class MetricsLogger:
 
     def discard_after(self, step: int) -> None:
         """Drop records of steps after ``step`` (a crashed run's tail, before resuming at ``step``)."""
-        if not self.d.is_main or not self.path.is_file():
-            return
-        kept = [
-            line
-            for line in self.path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line)["step"] <= step
-        ]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)  # a crash here keeps the old history whole
+        if self.d.is_main:
+            self.file.truncate_after(step)
 
     def flush(self, step: int) -> MetricsRecord | None:
         """Reduce the window over ranks (collective) and publish it on rank 0; returns the record there."""
@@ -204,9 +195,7 @@ class MetricsLogger:
             time=time.time(),
         )
         record.update({k: int(v) for k, v in zip(memory, peaks[2:])})
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        self.file.append(record)
         if self.echo:
             print(format_line(record), flush=True)
         for callback in self.subscribers:

@@ -96,17 +96,23 @@ class DraftOptimizer:
         (loss / self.accumulation_steps).backward()
         self.micro_batches += 1
 
-    def step(self) -> dict[str, float]:
+    def step(self, grad_scale: float | None = None) -> dict[str, float]:
         """Clip to ``max_grad_norm`` (global norm over all shards), update, advance the schedule.
 
-        Returns the pre-clip ``grad_norm`` and the ``lr`` this update used. Raises RuntimeError
-        unless the window is complete: a partial accumulation window never updates the weights.
+        ``grad_scale`` multiplies every gradient first (objectives whose loss is a sum, normalised
+        by a global count only known after the window: see ``Trainer``). Returns the pre-clip
+        ``grad_norm`` and the ``lr`` this update used. Raises RuntimeError unless the window is
+        complete: a partial accumulation window never updates the weights.
         """
         if self.micro_batches != self.accumulation_steps:
             raise RuntimeError(
                 f"step() after {self.micro_batches} of accumulation_steps={self.accumulation_steps} "
                 "micro-batches: only whole optimizer steps are trained"
             )
+        if grad_scale is not None:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()

@@ -88,14 +88,18 @@ def directory_identity(path: str | Path, *, content_limit: int = 1 << 20) -> str
 
 
 def training_contract(
-    cfg: RunConfig, plan: PromptPlan, *, prompt_cache: str, vocab_map: str, target: str, draft_config: dict
+    cfg: RunConfig, plan: PromptPlan, *, prompt_cache: str, vocab_map: str | None, target: str,
+    draft_config: dict, family_fields: dict | None = None,
 ) -> dict:
     """What a checkpoint must share with a run that resumes it (compared field by field).
 
     The plan record (dataset size, seed, epochs, world size, tp size and island count, batch,
     accumulation, max_steps, permutation checksum, horizon), the identities of the prompt cache,
-    vocab map, target and draft config, and the optimisation options.
+    vocab map (None for a family without one), target and draft config, and the optimisation
+    options, with the draft family's own (``family_fields``, e.g. DFlash's block size).
     """
+    optimization = {name: getattr(cfg.training, name) for name in _OPTIMIZATION_FIELDS}
+    optimization.update(family_fields or {})
     return {
         "plan": plan.to_json(),
         "identities": {
@@ -104,7 +108,7 @@ def training_contract(
             "target": target,
             "draft_config": config_identity(draft_config),
         },
-        "optimization": {name: getattr(cfg.training, name) for name in _OPTIMIZATION_FIELDS},
+        "optimization": optimization,
     }
 
 
@@ -135,6 +139,7 @@ class Trainer:
         open_stream: Callable[[int], RolloutStream],
         contract: dict,
         write_draft_files: Callable[[Path, dict[str, torch.Tensor]], None],
+        loss_is_sum: bool = False,
         echo: bool = True,
     ):
         t = cfg.training
@@ -160,6 +165,7 @@ class Trainer:
         self.open_stream = open_stream
         self.contract = contract
         self.write_draft_files = write_draft_files
+        self.loss_is_sum = loss_is_sum
         self.echo = echo
         self.step = 0  # optimizer steps done
         self.consumed_samples = 0  # samples this rank has trained (the plan's resume cursor)
@@ -226,6 +232,7 @@ class Trainer:
 
     def _optimizer_step(self, stream: RolloutStream) -> None:
         stats = stream.stats
+        weight = torch.zeros((), dtype=torch.float64)
         for _ in range(self.accumulation_steps):
             if self.d.device.type == "cuda":
                 # Drain the previous step's kernels so the time spent in next() is the capture's.
@@ -241,6 +248,8 @@ class Trainer:
             wait_s = time.perf_counter() - start
             loss, sums = self.root(batch)
             self.optimizer.backward(loss)
+            if self.loss_is_sum:
+                weight = weight + sums["weight_sum"].detach().to("cpu", torch.float64)
             samples = batch.num_samples  # packed rows hold several samples each
             # Release the captured features before the next capture (the stream stages one batch).
             del batch, loss
@@ -254,7 +263,20 @@ class Trainer:
                 captured_tokens=stats.island_tokens - before[2],
                 staged_bytes=stats.peak_staged_bytes,
             )
-        self.metrics.add_step(**self.optimizer.step())
+        self.metrics.add_step(**self.optimizer.step(self._grad_scale(weight) if self.loss_is_sum else None))
+
+    def _grad_scale(self, local_weight: torch.Tensor) -> float:
+        """For a loss that is a sum Σ w·ℓ: the factor that turns the window's gradients into those of
+        Σ w·ℓ / Σ w over every micro-batch of every rank (the global token-weighted mean).
+
+        ``backward`` divided each micro-batch by ``accumulation_steps`` and the ranks' reduce
+        averaged over the world, so the gradients hold Σ ∇(w·ℓ) / (A·W); one scalar all-reduce of
+        Σ w gives the global weight.
+        """
+        from specforge_core.runtime.distributed import all_reduce
+
+        total = all_reduce(self.d, [float(local_weight)])[0]
+        return self.accumulation_steps * self.d.world_size / total if total > 0 else 0.0
 
     # ---- save ----------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from specforge_core.capture.target_info import validate_colocated
 from specforge_core.config import load_config
 from specforge_core.errors import ConfigError, ModelError
 
-SGLANG = ["capture.backend=sglang", "training.tp_size=2", "deployment.nproc_per_node=4", "training.batch_size=4",
+SGLANG = ["capture.backend=sglang", "capture.tp_size=2", "deployment.nproc_per_node=4", "training.batch_size=4",
           "data.max_length=1024"]
 
 
@@ -40,7 +40,7 @@ def test_sglang_dp_attention_is_rejected():
 
 
 def test_expert_parallelism_must_divide_the_island_tp():
-    assert "capture.sglang.ep_size=4 must divide training.tp_size=2" in rejected("capture.sglang.ep_size=4")
+    assert "capture.sglang.ep_size=4 must divide capture.tp_size=2" in rejected("capture.sglang.ep_size=4")
 
 
 def test_max_running_requests_below_one_tp_wide_batch_is_rejected():
@@ -92,8 +92,8 @@ def test_engine_context_beyond_the_target_is_rejected():
 
 
 def test_island_tp_must_divide_the_attention_heads():
-    cfg = load_config(None, [*SGLANG, "data.max_length=512", "training.tp_size=4"])
-    with pytest.raises(ConfigError, match="training.tp_size=4 does not divide the target's 6 attention heads"):
+    cfg = load_config(None, [*SGLANG, "data.max_length=512", "capture.tp_size=4"])
+    with pytest.raises(ConfigError, match="capture.tp_size=4 does not divide the target's 6 attention heads"):
         validate_colocated(cfg, target(num_attention_heads=6, hidden_size=96))
 
 

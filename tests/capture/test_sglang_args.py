@@ -6,7 +6,7 @@ from specforge_core.config import SGLANG_RESOLVED_FIELDS, load_config
 
 def resolve(*overrides) -> SGLangEngineArgs:
     return SGLangEngineArgs.resolve(load_config(None, [
-        "model.target=/models/qwen3-8b", "capture.backend=sglang", "training.tp_size=2",
+        "model.target=/models/qwen3-8b", "capture.backend=sglang", "capture.tp_size=2",
         "deployment.nproc_per_node=4", "training.batch_size=3", "data.max_length=1024", *overrides,
     ]))
 

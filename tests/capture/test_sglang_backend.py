@@ -21,7 +21,7 @@ def sglang_config(model_dir, *overrides):
 
 
 def sglang_backend(model_dir, rank=0, tp_size=1, engine_factory=FakeSGLangEngine.start):
-    cfg = sglang_config(model_dir, f"training.tp_size={tp_size}", f"deployment.nproc_per_node={tp_size}")
+    cfg = sglang_config(model_dir, f"capture.tp_size={tp_size}", f"deployment.nproc_per_node={tp_size}")
     return build_capture_backend(cfg, rank=rank, engine_factory=engine_factory)
 
 

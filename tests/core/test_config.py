@@ -70,8 +70,8 @@ def test_sequence_parallelism_is_refused_for_colocated():
 
 
 def test_tp_size_must_divide_world():
-    with pytest.raises(ConfigError, match="training.tp_size=2 must divide the world size"):
-        load_config(None, ["training.tp_size=2", "deployment.nproc_per_node=3"])
+    with pytest.raises(ConfigError, match="capture.tp_size=2 must divide the world size"):
+        load_config(None, ["capture.tp_size=2", "deployment.nproc_per_node=3"])
 
 
 def test_capture_ids_need_three_distinct():
@@ -105,3 +105,16 @@ def test_cli_prints_schema_and_rejects_bad_config(tmp_path):
     bad = write(tmp_path, "model:\n  dtyp: float32\n")
     out = subprocess.run([sys.executable, "-m", "specforge_core.config", "--config", str(bad)], capture_output=True, text=True)
     assert out.returncode == 2 and "model.dtyp: unknown key" in out.stderr
+
+
+def test_the_old_training_tp_size_still_loads_as_capture_tp_size_with_a_warning():
+    from specforge_core.config import ConfigDeprecationWarning
+
+    with pytest.warns(ConfigDeprecationWarning, match="training.tp_size is deprecated.*capture.tp_size"):
+        cfg = load_config(None, ["training.tp_size=2", "deployment.nproc_per_node=4"])
+    assert cfg.capture.tp_size == 2 and "tp_size" not in cfg.training.model_dump()
+
+
+def test_old_and_new_tp_size_that_disagree_are_refused():
+    with pytest.raises(ConfigError, match="training.tp_size=2 and capture.tp_size=1 disagree"):
+        load_config(None, ["training.tp_size=2", "capture.tp_size=1", "deployment.nproc_per_node=4"])

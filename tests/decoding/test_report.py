@@ -5,8 +5,14 @@ import json
 import pytest
 
 from specforge_core.decoding.acceptance import AcceptanceStats
-from specforge_core.decoding.report import chain_acceptance_length, checkpoint_step, last_metrics, render_report, simulated_acceptance
+from specforge_core.decoding.report import chain_acceptance_length, render_report, simulated_acceptance
+from specforge_core.run.metrics_file import MetricsFile
+from specforge_core.runtime.checkpoint import checkpoint_step
 from specforge_core.decoding.speculative import Generation
+
+
+def last_metrics(run_dir, at_step=None):
+    return MetricsFile(run_dir / "metrics.jsonl").last(at_step=at_step)
 
 
 def _measured(num_steps=3):

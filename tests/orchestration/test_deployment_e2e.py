@@ -19,7 +19,8 @@ from prefect.client.schemas.filters import FlowRunFilter, LogFilter
 from deployments.local_stack import PROJECT_DIR, LocalPrefect
 from specforge_core.runtime.checkpoint import latest_checkpoint
 from tasks.process_group import tree_members
-from tasks.training import TREE_FILE, run_dir_for
+from specforge_core.run.directory import RunDir
+from tasks.training import run_dir_for
 from tests.orchestration.conftest import alive, tiny_config, wait_for
 
 pytestmark = pytest.mark.slow
@@ -92,7 +93,7 @@ def _wait_for_checkpoint(client, flow_run_id, config) -> Path:
 
 def _ranks(run_dir: Path) -> list[int]:
     """The pids of torchrun's agent and its 2 ranks, once they all run."""
-    record = json.loads(wait_for(lambda: (run_dir / TREE_FILE).is_file() and (run_dir / TREE_FILE).read_text(),
+    record = json.loads(wait_for(lambda: RunDir(run_dir).process_tree.is_file() and RunDir(run_dir).process_tree.read_text(),
                                  300, "the train task to record torchrun's process tree"))
     members = wait_for(lambda: len(m := tree_members(record["token"])) >= 3 and m, 120, "torchrun's 2 ranks")
     return [p.pid for p in members]

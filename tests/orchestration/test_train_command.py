@@ -1,4 +1,4 @@
-"""tasks/train.py: where a flow run trains and the per-node torchrun command."""
+"""tasks/training.py: where a flow run trains, what it records there, and the per-node torchrun command."""
 
 import sys
 from pathlib import Path
@@ -6,13 +6,18 @@ from pathlib import Path
 import pytest
 
 from specforge_core.config import RunConfig
-from tasks.training import config_file, run_dir_for, torchrun_command
+import json
+
+from specforge_core.run.directory import RunDir
+from specforge_core.run.manifest import RunManifest
+from tasks.caching import StageOutput
+from tasks.training import record_run, run_dir_for, torchrun_command
 
 
 def _cmd(monkeypatch, prefix: str = "", **deployment) -> list[str]:
     monkeypatch.setenv("SPECFORGE_LAUNCH_PREFIX", prefix)
     cfg = RunConfig.model_validate({"deployment": deployment})
-    return torchrun_command(cfg, Path("run/config.yaml"), Path("run/plan.json"), rdzv_id="abc")
+    return torchrun_command(cfg, Path("run/run.json"), rdzv_id="abc")
 
 
 def test_the_run_directory_is_stable_for_a_flow_run_and_new_for_another():
@@ -25,7 +30,7 @@ def test_the_run_directory_is_stable_for_a_flow_run_and_new_for_another():
 def test_one_node_runs_torchrun_standalone(monkeypatch):
     assert _cmd(monkeypatch, nproc_per_node=2) == [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-        "-m", "specforge_core.train", "--config", "run/config.yaml", "--plan", "run/plan.json"]
+        "-m", "specforge_core.train", "--manifest", "run/run.json"]
 
 
 def test_several_nodes_rendezvous_through_c10d(monkeypatch):
@@ -47,15 +52,26 @@ def test_the_launch_prefix_starts_the_command_once_per_node(monkeypatch):
     assert cmd[3:6] == [sys.executable, "-m", "torch.distributed.run"]
 
 
-def test_the_recorded_config_masks_storage_options_and_the_private_copy_is_removed(tmp_path):
-    cfg = RunConfig.model_validate({"data": {"storage_options": {"token": "s3cr3t"}}})
-    with config_file(cfg, tmp_path / "config.yaml") as path:
-        assert path != tmp_path / "config.yaml" and "s3cr3t" in path.read_text()
-        assert path.stat().st_mode & 0o077 == 0
-    assert not path.exists()
-    assert "s3cr3t" not in (tmp_path / "config.yaml").read_text()
+def _record(tmp_path, cfg: RunConfig) -> RunDir:
+    run = RunDir(tmp_path / "run")
+    record_run(cfg, run, StageOutput(key="c" * 64, path="/cache/prompts/ccc"),
+               StageOutput(key="v" * 64, path="/cache/vocab/vvv.pt", facts={"vocab_key": "w" * 64}),
+               StageOutput(key="p" * 64, path="/cache/plans/ppp.json", facts={"plan_key": "q" * 64}))
+    return run
 
 
-def test_without_storage_options_torchrun_reads_the_recorded_config(tmp_path):
-    with config_file(RunConfig(), tmp_path / "config.yaml") as path:
-        assert path == tmp_path / "config.yaml"
+def test_the_manifest_records_each_resolved_input_and_the_run_directory(tmp_path):
+    run = _record(tmp_path, RunConfig())
+    manifest = RunManifest.load(run.manifest)
+    assert (manifest.prompt_cache.key, manifest.prompt_cache.path) == ("c" * 64, "/cache/prompts/ccc")
+    assert (manifest.vocab_map.key, manifest.vocab_map.path) == ("w" * 64, "/cache/vocab/vvv.pt")
+    assert (manifest.plan.key, manifest.plan.path) == ("q" * 64, str(run.plan))
+    cfg = manifest.run_config()
+    assert cfg.output.dir == str(run.root) and cfg.draft.vocab_map_path == "/cache/vocab/vvv.pt"
+
+
+def test_neither_the_manifest_nor_config_yaml_holds_storage_credentials(tmp_path):
+    run = _record(tmp_path, RunConfig.model_validate({"data": {"storage_options": {"token": "s3cr3t"}}}))
+    for path in (run.manifest, run.config):
+        assert "s3cr3t" not in path.read_text()
+    assert json.loads(run.manifest.read_text())["config"]["data"]["storage_options"] == {"token": "***"}

@@ -55,7 +55,11 @@ def reference(make_cfg, tmp_path, tiny_tokenizer):
 
 
 def leftovers(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-")) if root.exists() else []
+    """Temporaries of an unfinished atomic write (``.tmp-*`` directories, ``.<name>.*.tmp`` files)."""
+    if not root.exists():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-") or
+                  (p.name.startswith(".") and p.name.endswith(".tmp")))
 
 
 def test_kill_before_the_cache_is_published_leaves_no_cache_and_the_next_run_rebuilds_it(

@@ -8,10 +8,11 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from specforge_core.io import sha256_file
 from specforge_core.errors import CheckpointError, ResumeError
 from specforge_core.runtime.checkpoint import (
     COMPLETE,
-    _sha256,
+
     check_resume,
     checkpoints_dir,
     complete_checkpoints,
@@ -119,7 +120,7 @@ def test_complete_marker_holds_the_sha256_of_every_file(saved):
     ckpt = checkpoints_dir(run_dir) / "step-00000004"
     files = json.loads((ckpt / COMPLETE).read_text())["files"]
     assert set(files) == {p.name for p in ckpt.iterdir()} - {COMPLETE}
-    assert all(_sha256(ckpt / name) == digest for name, digest in files.items())
+    assert all(sha256_file(ckpt / name) == digest for name, digest in files.items())
 
 
 def test_saved_weights_are_full_tensors_without_the_frozen_embedding(saved):

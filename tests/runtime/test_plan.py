@@ -7,13 +7,15 @@ import pytest
 from specforge_core.config import load_config
 from specforge_core.errors import ConfigError, ResumeError
 from specforge_core.run.plan import PromptPlan, epoch_permutation
+from specforge_core.run.topology import Topology
 
 
 def plan(**kw) -> PromptPlan:
     args = dict(dataset_size=103, seed=7, epochs=3, world_size=4, tp_size=2, batch_size=3,
                 accumulation_steps=2)
     args.update(kw)
-    return PromptPlan.build(**args)
+    topology = Topology(args.pop("world_size"), args.pop("tp_size"), args.pop("batch_size"))
+    return PromptPlan.build(args.pop("dataset_size"), topology=topology, **args)
 
 
 def all_batches(p: PromptPlan, rank: int, **kw):
@@ -146,6 +148,6 @@ def test_a_dataset_smaller_than_one_optimizer_step_is_refused():
 
 
 def test_plan_from_config_reads_training_and_deployment():
-    cfg = load_config(None, ["training.tp_size=2", "deployment.nproc_per_node=4", "training.batch_size=2"])
+    cfg = load_config(None, ["capture.tp_size=2", "deployment.nproc_per_node=4", "training.batch_size=2"])
     p = PromptPlan.from_config(cfg, dataset_size=40)
     assert (p.world_size, p.tp_size, p.num_islands, p.batch_size) == (4, 2, 2, 2)

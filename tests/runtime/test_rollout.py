@@ -12,6 +12,7 @@ from specforge_core.capture import build_capture_backend
 from fixtures.fake_sglang import FakeSGLangEngine
 from specforge_core.config import load_config
 from specforge_core.errors import CaptureError, DataError
+from specforge_core.run.topology import Topology
 from specforge_core.run.plan import IslandBatch, PromptPlan
 from specforge_core.runtime.rollout import RolloutStream
 
@@ -42,7 +43,7 @@ def backends(tiny_target_dir):
     """sglang backends on the fake engine for TP ranks 0 and 1 of a tp_size=2 island."""
     cfg = load_config(None, [
         f"model.target={tiny_target_dir}", "capture.backend=sglang", "data.max_length=256", "model.dtype=float32",
-        "training.tp_size=2", "deployment.nproc_per_node=2",
+        "capture.tp_size=2", "deployment.nproc_per_node=2",
     ])
     return [build_capture_backend(cfg, rank=r, engine_factory=FakeSGLangEngine.start) for r in range(2)]
 
@@ -50,7 +51,8 @@ def backends(tiny_target_dir):
 def plan(**kw) -> PromptPlan:
     args = dict(dataset_size=40, seed=3, epochs=2, world_size=2, tp_size=2, batch_size=2, accumulation_steps=1)
     args.update(kw)
-    return PromptPlan.build(**args)
+    topology = Topology(args.pop("world_size"), args.pop("tp_size"), args.pop("batch_size"))
+    return PromptPlan.build(args.pop("dataset_size"), topology=topology, **args)
 
 
 def stream_for(backends, rank=0, rows=None, p=None, **kw) -> RolloutStream:

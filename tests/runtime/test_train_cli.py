@@ -24,7 +24,9 @@ from specforge_core.errors import ConfigError
 from specforge_core.run.plan import PromptPlan
 from specforge_core.runtime.checkpoint import checkpoints_dir, latest_checkpoint
 from specforge_core.runtime.metrics import METRICS_FILE
-from specforge_core.train import load_plan, main
+from specforge_core.run.topology import Topology
+from specforge_core.runtime.builder import check_recorded_plan
+from specforge_core.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +82,7 @@ def records(run_dir: Path) -> list[dict]:
 def test_torchrun_trains_and_checkpoints_on_each_topology(workdir, tiny_target_dir, world, tp):
     name = f"w{world}-tp{tp}"
     config = write_config(workdir, name, tiny_target_dir,
-                          training={"tp_size": tp}, deployment={"nproc_per_node": world})
+                          capture={"tp_size": tp}, deployment={"nproc_per_node": world})
     out = run_to_end(config, world)
     assert "step=2/2 loss=" in out
     run_dir = workdir / name
@@ -157,8 +159,10 @@ def test_recorded_plan_of_another_config_is_refused(workdir, tiny_target_dir, tm
     cfg = load_config(write_config(workdir, "plan", tiny_target_dir))
     PromptPlan.from_config(cfg, 40).save(tmp_path / "plan.json")
     other = load_config(write_config(workdir, "plan", tiny_target_dir, training={"seed": 7}))
+    recorded = PromptPlan.load(tmp_path / "plan.json")
     with pytest.raises(ConfigError, match="seed: 42 → 7"):
-        load_plan(other, 40, str(tmp_path / "plan.json"))
+        check_recorded_plan(other, recorded, Topology.from_config(other), 40, str(tmp_path / "plan.json"))
+    check_recorded_plan(cfg, recorded, Topology.from_config(cfg), 40, str(tmp_path / "plan.json"))
 
 
 # --- the real model ---------------------------------------------------------------------------------
@@ -166,10 +170,14 @@ def test_recorded_plan_of_another_config_is_refused(workdir, tiny_target_dir, tm
 
 @pytest.mark.slow
 def test_one_rank_trains_a_draft_for_smollm2(workdir, smollm2_dir):
-    config = write_config(workdir, "smollm2", smollm2_dir, data={"max_length": 96}, draft={"draft_vocab_size": 2048},
-                          training={"accumulation_steps": 1, "ttt_length": 7})
+    # one conversation, seen at every step: a draft that trains must fit it better step after step
+    one = json.loads((workdir / "chat.jsonl").read_text().splitlines()[0])
+    (workdir / "one-chat.jsonl").write_text("".join(json.dumps(one) + "\n" for _ in range(8)))
+    config = write_config(workdir, "smollm2", smollm2_dir, data={"max_length": 96, "train_files": [str(workdir / "one-chat.jsonl")],
+                          "cache_dir": str(workdir / "cache-one")}, draft={"draft_vocab_size": 2048},
+                          training={"accumulation_steps": 1, "ttt_length": 7, "max_steps": 4, "warmup_ratio": 0.0})
     out = run_to_end(config, 1, timeout=600)
-    assert "step=2/2 loss=" in out
-    last = records(workdir / "smollm2")[-1]
-    assert last["loss"] > 0 and 0 <= last["acc_0"] <= 1
+    assert "step=4/4 loss=" in out
+    losses = [r["loss"] for r in records(workdir / "smollm2")]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], losses
     assert (latest_checkpoint(workdir / "smollm2") / "draft_config.json").is_file()

@@ -17,20 +17,19 @@ one is refused).
 """
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
-from specforge_core.errors import CheckpointError, ModelError, SpecForgeError
+from specforge_core.errors import CheckpointError, ModelError
+from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_directory
+from specforge_core.runtime.checkpoint import DRAFT_CONFIG as CHECKPOINT_CONFIG
+from specforge_core.runtime.checkpoint import DRAFT_WEIGHTS as CHECKPOINT_WEIGHTS
 from specforge_core.drafts.eagle3.config import capture_layer_ids_of, draft_config_from_dict, serving_config_dict
 from specforge_core.drafts.eagle3.model import EMBEDDING_KEY, Eagle3DraftModel
 
-CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS = "draft_config.json", "draft.safetensors"
 EXPORT_CONFIG, EXPORT_WEIGHTS = "config.json", "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Fields a warm start must share with the run's draft config.
@@ -161,40 +160,9 @@ def export_draft(model: Eagle3DraftModel, out_dir: str | Path, dtype: str = "kee
         raise CheckpointError(
             "the export directory holds other files", where=str(out), fix="choose an empty or new --out directory"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
+    with staged_directory(out, replace=True) as stage:
         _write_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype=None if dtype == "keep" else DTYPES[dtype])
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(stage, out)
-    finally:
-        if stage.exists():
-            shutil.rmtree(stage)
     return out
-
-
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """A step directory as given, or the newest one of a run directory (``checkpoints/latest``)."""
-    path = Path(path)
-    if (path / CHECKPOINT_CONFIG).exists():
-        return path
-    for checkpoints in (path / "checkpoints", path):
-        latest = checkpoints / "latest"
-        if latest.is_file():
-            step = checkpoints / latest.read_text().strip()
-            if (step / CHECKPOINT_CONFIG).exists():
-                return step
-            raise CheckpointError(
-                f"checkpoints/latest names {step.name}, which has no {CHECKPOINT_CONFIG}",
-                where=str(latest),
-                fix="point --checkpoint at a complete step directory",
-            )
-    raise CheckpointError(
-        f"neither a checkpoint step directory ({CHECKPOINT_CONFIG}) nor a run directory (checkpoints/latest)",
-        where=str(path),
-        fix="pass a run directory or one of its checkpoints/step-* directories",
-    )
 
 
 def _write_pair(model, directory: Path, config_name: str, weights_name: str, dtype, state_dict=None) -> None:
@@ -212,13 +180,8 @@ def _write_pair(model, directory: Path, config_name: str, weights_name: str, dty
         raise ModelError(f"draft parameters mix dtypes {sorted(map(str, floats))}", where="draft model",
                          fix="cast all draft parameters to one dtype before saving")
     config = serving_config_dict(model.config, dtype=str(floats.pop()).removeprefix("torch."))
-    for name, write in (
-        (weights_name, lambda p: save_file(state, str(p), metadata={"format": "pt"})),
-        (config_name, lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")),
-    ):
-        tmp = directory / f".{name}.tmp"
-        write(tmp)
-        os.replace(tmp, directory / name)
+    atomic_write_bytes(directory / weights_name, save(state, metadata={"format": "pt"}))
+    atomic_write_json(directory / config_name, config, sort_keys=True)
 
 
 def _load_pair(directory: Path, config_name: str, weights_name: str, device) -> Eagle3DraftModel:

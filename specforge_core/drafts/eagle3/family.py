@@ -1,0 +1,124 @@
+"""EAGLE3 behind the draft-family seam (``specforge_core/drafts/__init__.py``).
+
+One decoder layer over the target's token embedding and three captured target layers, a
+reduced draft vocabulary (d2t/t2d), trained by the unrolled training-time-test objective
+(``objective.py``) against the target's own next-token distribution; exported in the layout
+SGLang's and vLLM's EAGLE3 loaders read (``serving.py``); decoded by chained draft steps
+(``decoding.py``). The run config's ``draft.*`` fields (``draft_vocab_size``, ``fc_norm``,
+``attention_backend``, ``config_path``, ``init_from``) and ``training.ttt_length`` /
+``training.ploss_decay`` are this family's.
+"""
+
+from functools import partial
+from pathlib import Path
+
+from specforge_core.capture.target_info import resolve_capture_layers, text_config
+from specforge_core.drafts.eagle3 import config as configs
+from specforge_core.drafts.eagle3 import serving
+from specforge_core.drafts.eagle3.metric_sums import summarize_metrics
+from specforge_core.drafts.eagle3.model import Eagle3DraftModel
+from specforge_core.drafts.eagle3.objective import eagle3_loss
+from specforge_core.errors import ModelError
+
+
+class Eagle3Family:
+    name = "eagle3"
+    architectures = (configs.DRAFT_ARCHITECTURE,)
+    uses_vocab_map = True
+    captures_last_hidden = True
+    loss_is_sum = False
+
+    # ---- configuration ---------------------------------------------------------------------------
+
+    def capture_layer_ids(self, cfg, target_config, draft_config=None) -> tuple[int, ...]:
+        return resolve_capture_layers(cfg, target_config, draft_config)
+
+    def given_draft_config(self, cfg):
+        return configs.load_draft_config(cfg.draft.config_path) if cfg.draft.config_path else None
+
+    def check_draft_config(self, cfg, draft_config, target_config, vocab_size: int) -> None:
+        wanted = {
+            "target_hidden_size": (int(text_config(target_config).hidden_size), "the target's hidden_size"),
+            "vocab_size": (vocab_size, "the target's vocab_size"),
+            "draft_vocab_size": (cfg.draft.draft_vocab_size, "draft.draft_vocab_size"),
+        }
+        problems = [f"{field}={getattr(draft_config, field, None)} but {what} is {value}"
+                    for field, (value, what) in wanted.items() if getattr(draft_config, field, None) != value]
+        if problems:
+            raise ModelError(
+                "the draft config does not fit this target and run: " + "; ".join(problems),
+                where=f"draft.config_path ({cfg.draft.config_path})",
+                fix="use a draft config made for this target (or remove draft.config_path to generate one), "
+                "and set draft.draft_vocab_size to its draft_vocab_size",
+            )
+
+    def draft_config(self, cfg, target_config, layer_ids, *, tokenizer=None):
+        given = self.given_draft_config(cfg)
+        if given is not None:
+            return given
+        return configs.draft_config_from_target(target_config, cfg.draft.draft_vocab_size, list(layer_ids),
+                                                fc_norm=cfg.draft.fc_norm)
+
+    def contract_fields(self, cfg) -> dict:
+        # training.ttt_length and training.ploss_decay are in the trainer's own optimisation fields
+        return {}
+
+    def serving_config(self, config) -> dict:
+        return configs.serving_config_dict(config)
+
+    def trained_layer_ids(self, config) -> list[int] | None:
+        return configs.capture_layer_ids_of(config)
+
+    # ---- model and training ----------------------------------------------------------------------
+
+    def new_draft(self, config) -> Eagle3DraftModel:
+        return Eagle3DraftModel(config)
+
+    def warm_start(self, directory, config) -> Eagle3DraftModel:
+        return serving.warm_start_draft(directory, config)
+
+    def attach_target(self, draft, backend, vocab) -> None:
+        draft.load_embedding(backend.embed_weight)
+        draft.set_vocab_map(vocab.d2t, vocab.t2d)
+
+    def objective(self, cfg, backend):
+        return partial(
+            eagle3_loss,
+            lm_head_weight=backend.lm_head_weight,
+            ttt_length=cfg.training.ttt_length,
+            decay=cfg.training.ploss_decay,
+            backend=cfg.draft.attention_backend,
+            vocab_chunk=cfg.capture.teacher_chunk_size,
+        )
+
+    def summarize(self, cfg, sums: dict) -> dict:
+        return summarize_metrics(sums, decay=cfg.training.ploss_decay)
+
+    # ---- files -------------------------------------------------------------------------------------
+
+    def save_checkpoint_files(self, draft, directory: Path, state_dict=None) -> None:
+        serving.save_draft_checkpoint_files(draft, directory, state_dict)
+
+    def load_checkpoint_files(self, directory: Path) -> Eagle3DraftModel:
+        return serving.load_draft_from_files(directory)
+
+    def export(self, draft, out_dir: Path, dtype: str = "keep") -> Path:
+        return serving.export_draft(draft, out_dir, dtype=dtype)
+
+    def load_export(self, directory: Path) -> Eagle3DraftModel:
+        return serving.load_exported_draft(directory)
+
+    # ---- decoding ----------------------------------------------------------------------------------
+
+    def prepare_for_decoding(self, draft, target_model):
+        draft.cast_params(target_model.dtype)
+        draft.load_embedding(target_model.get_input_embeddings().weight.detach().cpu())
+        return draft.to(target_model.device).eval()
+
+    def drafter(self, draft):
+        from specforge_core.drafts.eagle3.decoding import DraftRunner
+
+        return DraftRunner(draft)
+
+
+FAMILY = Eagle3Family()

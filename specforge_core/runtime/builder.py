@@ -1,0 +1,192 @@
+"""Wire one rank's training run: resolve its inputs once, then build backend, draft, objective, trainer.
+
+    checked = check_run_inputs(cfg)                              # preflight, reused below
+    inputs = inputs_from_manifest(manifest, d, checked)          # the flow resolved everything
+    inputs = resolve_inputs(cfg, d, checked, plan_path=None)     # a run started by hand
+    trainer, backend = build_training(cfg, d, inputs, checked)
+    trainer.fit(); backend.close()
+
+``python -m specforge_core.train`` runs exactly this, and the benchmarks build their draft and
+objective through :func:`build_draft` and :func:`build_objective`, so what they time is the wiring
+that ships.
+
+Resolving inputs. From a manifest (``run.json``): each rank opens the recorded prompt cache, vocab
+map and plan by path and checks their keys once (the cache's meta key, the vocab map's sidecar
+key, the plan record's sha256); nothing is re-hashed. By hand: rank 0 hashes the sources, builds
+or finds the cache and the vocab map and broadcasts where they are; the other ranks open them
+there (never re-reading a source while rank 0 holds a collective); rank 0 records ``run.json``
+(fresh starts only: a resume writes nothing before its checks have passed).
+Either way the plan is compared once with the plan this config, data and world give.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from specforge_core.errors import ConfigError
+from specforge_core.run.directory import RunDir
+from specforge_core.run.manifest import Ref, RunManifest
+from specforge_core.run.plan import PromptPlan
+from specforge_core.run.topology import Topology
+
+
+@dataclass
+class RunInputs:
+    """What a rank trains from: resolved once per run."""
+
+    topology: Topology
+    prompt_cache: Any  # data.prompt_cache.PromptCache
+    rows: Any  # its train split as pyarrow rows (no datasets/pandas import on the ranks)
+    vocab: Any | None  # data.vocab.VocabMap, or None for a family without a draft vocabulary
+    plan: PromptPlan
+
+
+def check_recorded_plan(cfg, plan: PromptPlan, topology: Topology, dataset_size: int, where: str) -> None:
+    """The one plan comparison: the recorded plan must be the one this config, data and world give."""
+    expected = PromptPlan.from_config(cfg, dataset_size, topology=topology)
+    diffs = plan.differences(expected)
+    if diffs:
+        raise ConfigError(
+            "the recorded plan was made for another configuration or dataset (recorded → this run): "
+            + "; ".join(diffs),
+            where=where,
+            fix="record the plan again for this config, or run with the config and data it was made for",
+        )
+
+
+def _check_key(what: str, recorded: str, found: str, where: str) -> None:
+    if recorded != found:
+        raise ConfigError(
+            f"the {what} at this path has key {found[:12]}…, the run manifest recorded {recorded[:12]}…",
+            where=where,
+            fix="run the flow again (it re-resolves the inputs), or restore the recorded files",
+        )
+
+
+def inputs_from_manifest(manifest: RunManifest, d, checked, *, cfg) -> RunInputs:
+    """Open the manifest's prompt cache, vocab map and plan by path; check each key once."""
+    from specforge_core.data.prompt_cache import open_prompt_cache
+    from specforge_core.data.vocab import load_vocab_map
+
+    topology = Topology.from_config(cfg, world_size=d.world_size)
+    cache = open_prompt_cache(manifest.prompt_cache.path)
+    _check_key("prompt cache", manifest.prompt_cache.key, cache.key, manifest.prompt_cache.path)
+    vocab = None
+    if checked.family.uses_vocab_map:
+        if manifest.vocab_map is None:
+            raise ConfigError("the run manifest records no vocab map, which this draft family needs",
+                              where="run.json: vocab_map", fix="run the flow again to record one")
+        vocab = load_vocab_map(manifest.vocab_map.path, checked.vocab_size, cfg.draft.draft_vocab_size)
+        _check_key("vocab map", manifest.vocab_map.key, vocab.key, manifest.vocab_map.path)
+    plan = PromptPlan.load(manifest.plan.path)
+    _check_key("plan", manifest.plan.key, plan.key, manifest.plan.path)
+    rows = cache.rows("train")
+    check_recorded_plan(cfg, plan, topology, len(rows), manifest.plan.path)
+    return RunInputs(topology, cache, rows, vocab, plan)
+
+
+def resolve_inputs(cfg, d, checked, *, plan_path: str | None = None) -> RunInputs:
+    """Resolve a run started without a manifest (rank 0 builds or finds, the others open); on a
+    fresh start rank 0 records ``plan.json`` and ``run.json``."""
+    from specforge_core.config import dump_config
+    from specforge_core.data.prompt_cache import ensure_prompt_cache, open_prompt_cache
+    from specforge_core.data.vocab import ensure_vocab_map, load_vocab_map
+    from specforge_core.runtime.checkpoint import latest_checkpoint
+    from specforge_core.runtime.distributed import broadcast_object
+
+    topology = Topology.from_config(cfg, world_size=d.world_size)
+    family = checked.family
+    found, error = None, None
+    if d.is_main:
+        try:
+            cache = ensure_prompt_cache(cfg, checked.tokenizer)
+            vocab = ensure_vocab_map(cfg, cache, checked.vocab_size) if family.uses_vocab_map else None
+            found = (str(cache.path), None if vocab is None else str(vocab.path))
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = e
+    found, error = broadcast_object(d, (found, error))
+    if error is not None:
+        raise error
+    if not d.is_main:
+        cache = open_prompt_cache(found[0])
+        vocab = None if found[1] is None else load_vocab_map(found[1], checked.vocab_size, cfg.draft.draft_vocab_size)
+    rows = cache.rows("train")
+    run = RunDir(cfg.output.dir)
+    if plan_path is None:
+        plan = PromptPlan.from_config(cfg, len(rows), topology=topology)
+    else:
+        plan = PromptPlan.load(plan_path)
+        check_recorded_plan(cfg, plan, topology, len(rows), plan_path)
+    if d.is_main and latest_checkpoint(run.root) is None:  # a fresh start; a resume changes no file
+        if plan_path is None:
+            plan.save(run.plan)
+        RunManifest(
+            config=dump_config(cfg),
+            prompt_cache=Ref(cache.key, str(cache.path)),
+            plan=Ref(plan.key, str(plan_path or run.plan)),
+            vocab_map=None if vocab is None else Ref(vocab.key, str(vocab.path)),
+        ).save(run.manifest)
+    return RunInputs(topology, cache, rows, vocab, plan)
+
+
+def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config=None):
+    """The draft of ``family`` for this target: warm-started from ``draft.init_from`` or freshly
+    initialised (every rank draws the same initial weights from ``training.seed``), given the
+    target's frozen embedding / vocab map, and compiled where ``training.compile`` says."""
+    draft_config = draft_config or family.draft_config(cfg, target_config or backend.target_config, backend.layer_ids)
+    torch.manual_seed(cfg.training.seed)
+    # A warm start keeps its exported dtype here; sharding makes the trainable weights fp32 masters.
+    draft = family.warm_start(cfg.draft.init_from, draft_config) if cfg.draft.init_from else family.new_draft(draft_config)
+    family.attach_target(draft, backend, vocab)
+    if cfg.training.compile and backend.device.type == "cuda":
+        from specforge_core.runtime.compile import compile_pointwise
+
+        compile_pointwise(draft)
+    return draft
+
+
+def build_objective(cfg, family, backend):
+    """``objective(draft, batch) -> (loss, sums)`` and ``derive(sums) -> metrics`` of ``family``."""
+    return family.objective(cfg, backend), partial(family.summarize, cfg)
+
+
+def build_training(cfg, d, inputs: RunInputs, checked):
+    """Backend, draft, objective and trainer of this rank; returns ``(trainer, backend)``."""
+    from specforge_core.capture import build_capture_backend
+    from specforge_core.runtime.rollout import RolloutStream
+    from specforge_core.runtime.trainer import Trainer, directory_identity, training_contract
+
+    family = checked.family
+    backend = build_capture_backend(
+        cfg, rank=d.rank, local_rank=d.local_rank, topology=inputs.topology,
+        target_config=checked.target_config, layer_ids=checked.layer_ids,
+    )
+    draft_config = family.draft_config(cfg, checked.target_config, backend.layer_ids)
+    draft = build_draft(cfg, family, backend, inputs.vocab, draft_config=draft_config)
+    objective, derive = build_objective(cfg, family, backend)
+    contract = training_contract(
+        cfg,
+        inputs.plan,
+        prompt_cache=inputs.prompt_cache.key,
+        vocab_map=None if inputs.vocab is None else inputs.vocab.key,
+        target=directory_identity(cfg.model.target),
+        draft_config=family.serving_config(draft_config),
+        family_fields=family.contract_fields(cfg),
+    )
+    plan, rows, budget = inputs.plan, inputs.rows, cfg.training.token_budget
+    trainer = Trainer(
+        cfg,
+        d,
+        plan,
+        draft=draft,
+        objective=objective,
+        derive=derive,
+        open_stream=lambda start: RolloutStream.from_plan(plan, d.rank, rows, backend, start_sample=start,
+                                                          token_budget=budget),
+        contract=contract,
+        write_draft_files=partial(family.save_checkpoint_files, draft),
+        loss_is_sum=family.loss_is_sum,
+    )
+    return trainer, backend
