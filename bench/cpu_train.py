@@ -37,13 +37,14 @@ import torch  # noqa: E402
 import specforge_core.drafts.eagle3.objective as ttt  # noqa: E402
 from specforge_core.capture.base import TargetRequest  # noqa: E402
 from specforge_core.capture.hf import HFCaptureBackend  # noqa: E402
-from specforge_core.drafts.eagle3.config import draft_config_from_target  # noqa: E402
-from specforge_core.drafts.eagle3.model import Eagle3DraftModel  # noqa: E402
 from fixtures.smollm2 import ensure_smollm2  # noqa: E402
-from specforge_core.drafts.eagle3 import eagle3_loss  # noqa: E402
+from specforge_core.config import load_config  # noqa: E402
+from specforge_core.data.vocab import VocabMap  # noqa: E402
+from specforge_core.drafts import get_family  # noqa: E402
+from specforge_core.runtime.builder import build_draft, build_objective  # noqa: E402
 from specforge_core.runtime.distributed import init_distributed  # noqa: E402
-from specforge_core.runtime.optim import DraftOptimizer, shard  # noqa: E402
-from specforge_core.runtime.trainer import TrainStep  # noqa: E402
+from specforge_core.runtime.optim import DraftOptimizer  # noqa: E402
+from specforge_core.runtime.trainer import TrainStep, build_step  # noqa: E402
 
 CAPTURE_IDS = (1, 14, 26)
 
@@ -151,27 +152,36 @@ def time_draft_steps(draft: torch.nn.Module, clock: Clock) -> None:
     clock.reset_step = lambda: state.update(k=0)
 
 
+def run_config(args):
+    """The run config these steps train under (the fields the builder reads)."""
+    return load_config(None, [
+        f"training.seed=0", f"training.ttt_length={args.ttt}", f"capture.teacher_chunk_size={args.vocab_chunk}",
+        f"draft.draft_vocab_size={args.vd}", "draft.attention_backend=sdpa", "training.learning_rate=3e-4",
+        "training.warmup_ratio=0.02", "training.max_grad_norm=0.5",
+    ])
+
+
 def build_variant(name: str, target_config, backend, d, args, clock: Clock):
-    """A fresh draft (same seed every variant) behind the trainer's root and optimizer."""
-    torch.manual_seed(0)
-    config = draft_config_from_target(target_config, args.vd, list(CAPTURE_IDS))
-    draft = Eagle3DraftModel(config)
-    draft.load_embedding(backend.embed_weight)
-    draft.set_vocab_map(*random_vocab_map(target_config.vocab_size, args.vd, seed=1))
+    """A fresh draft (same seed every variant), built by the same builder ``python -m
+    specforge_core.train`` uses, behind the trainer's root and optimizer (``fsdp``) or unsharded."""
+    cfg = run_config(args)
+    family = get_family("eagle3")
+    d2t, t2d = random_vocab_map(target_config.vocab_size, args.vd, seed=1)
+    draft = build_draft(cfg, family, backend, VocabMap(key="random", path=Path("random"), d2t=d2t, t2d=t2d,
+                                                       coverage=None))
     time_draft_steps(draft, clock)
+    loss_fn, _ = build_objective(cfg, family, backend)
 
     def objective(model, batch):
         with clock("objective"):
-            return eagle3_loss(model, batch, backend.lm_head_weight, ttt_length=args.ttt, vocab_chunk=args.vocab_chunk)
+            return loss_fn(model, batch)
 
-    step = TrainStep(draft, objective)
     if name == "fsdp":
-        root = shard(step, d)
-    elif name == "plain":
-        root = step
-        root.set_requires_gradient_sync = lambda flag: None  # what DraftOptimizer calls on FSDP roots
-    else:
+        return build_step(cfg, d, draft, objective, total_steps=500, accumulation_steps=1)
+    if name != "plain":
         raise SystemExit(f"unknown variant {name!r}: use fsdp or plain")
+    root = TrainStep(draft, objective)
+    root.set_requires_gradient_sync = lambda flag: None  # what DraftOptimizer calls on FSDP roots
     optimizer = DraftOptimizer(
         root, learning_rate=3e-4, weight_decay=0.0, max_grad_norm=0.5, accumulation_steps=1,
         total_steps=500, warmup_ratio=0.02, lr_scheduler="cosine",

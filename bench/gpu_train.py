@@ -196,47 +196,48 @@ def check_packed_equals_unpacked(backend, request, token_budget) -> None:
     report("padded_vs_alone_rel_err", noise)  # the same samples through the padded, masked kernel: bf16 noise
 
 
-def build_draft(args, backend):
-    """Our EAGLE3 draft for the target (fp32 parameters; the step's precision is set by its caller)."""
-    from specforge_core.drafts.eagle3.config import draft_config_from_target
-    from specforge_core.drafts.eagle3.model import Eagle3DraftModel
+def run_config(args, *, compile_pointwise: bool = False):
+    """The run config of the timed steps: the fields the product's builder reads."""
+    from specforge_core.config import load_config
 
-    cfg = draft_config_from_target(backend.target_config, args.vocab_d, list(backend.layer_ids))
-    with torch.device(args.device):
-        draft = Eagle3DraftModel(cfg)
-    draft.load_embedding(backend.embed_weight)
+    return load_config(None, [
+        f"training.seed={args.seed}", f"training.ttt_length={args.ttt_length}", "training.ploss_decay=0.8",
+        f"draft.draft_vocab_size={args.vocab_d}", "training.param_dtype=bfloat16", "training.learning_rate=1e-4",
+        "training.warmup_ratio=0.015", "training.max_grad_norm=0.5", f"training.compile={compile_pointwise}",
+        f"capture.device={'cuda' if args.device.type == 'cuda' else 'cpu'}",
+    ])
+
+
+def random_vocab(args, vocab_size: int):
+    from pathlib import Path as _Path
+
+    from specforge_core.data.vocab import VocabMap
+
     g = torch.Generator().manual_seed(args.seed)
-    used = torch.randperm(cfg.vocab_size, generator=g)[: args.vocab_d].sort().values
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    used = torch.randperm(vocab_size, generator=g)[: args.vocab_d].sort().values
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[used] = True
-    draft.set_vocab_map(used - torch.arange(args.vocab_d), t2d)
-    return draft
+    return VocabMap(key="random", path=_Path("random"), d2t=used - torch.arange(args.vocab_d), t2d=t2d, coverage=None)
 
 
 class TrainLoop:
-    """The training step of ``specforge_core.train`` on one rank: the trainer's FSDP2 root over the
-    objective (bf16 compute, fp32 masters), its AdamW + clipping + schedule; ``step(batch)`` is one
-    micro-batch = one optimizer step (accumulation 1)."""
+    """The training step of ``specforge_core.train`` on one rank, built by the same builder: the
+    family's draft and objective (``runtime/builder.py``) behind the trainer's FSDP2 root (bf16
+    compute, fp32 masters) and its AdamW + clipping + schedule (``runtime/trainer.build_step``);
+    ``step(batch)`` is one micro-batch = one optimizer step (accumulation 1)."""
 
     def __init__(self, args, backend, *, compile_pointwise: bool = False, total_steps: int = 1000):
-        from functools import partial
-
-        from specforge_core.drafts.eagle3 import eagle3_loss
+        from specforge_core.drafts import get_family
+        from specforge_core.runtime.builder import build_draft, build_objective
         from specforge_core.runtime.distributed import init_distributed
-        from specforge_core.runtime.optim import DraftOptimizer, shard
-        from specforge_core.runtime.trainer import TrainStep
+        from specforge_core.runtime.trainer import build_step
 
         d = init_distributed("cuda" if args.device.type == "cuda" else "cpu")
-        draft = build_draft(args, backend)
-        if compile_pointwise:
-            from specforge_core.runtime.compile import compile_pointwise as compile_modules
-
-            report("draft_compiled_modules", compile_modules(draft))
-        objective = partial(eagle3_loss, lm_head_weight=backend.lm_head_weight, ttt_length=args.ttt_length, decay=0.8)
-        self.root = shard(TrainStep(draft, objective), d, param_dtype="bfloat16")
-        self.optimizer = DraftOptimizer(self.root, learning_rate=1e-4, weight_decay=0.0, max_grad_norm=0.5,
-                                        accumulation_steps=1, total_steps=total_steps, warmup_ratio=0.015,
-                                        lr_scheduler="cosine")
+        cfg = run_config(args, compile_pointwise=compile_pointwise)
+        family = get_family(cfg.draft.family)
+        draft = build_draft(cfg, family, backend, random_vocab(args, backend.vocab_size))
+        objective, _ = build_objective(cfg, family, backend)
+        self.root, self.optimizer = build_step(cfg, d, draft, objective, total_steps=total_steps, accumulation_steps=1)
 
     def step(self, batch) -> None:
         loss, sums = self.root(batch)

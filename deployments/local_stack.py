@@ -10,7 +10,7 @@
 Used by the deployment end-to-end tests and by scripts/ui_screenshot.py; docs/deploy.md gives the
 same steps as shell commands. Every process starts in its own session and is stopped with a
 process-group SIGTERM (then SIGKILL): a worker started in the background of a non-interactive
-shell ignores SIGINT, and forwards SIGTERM to itself as SIGINT (prefect-facts, gotcha 8), so only
+shell ignores SIGINT, and forwards SIGTERM to itself as SIGINT (Prefect 3.9's worker), so only
 its own session makes it stoppable. The home directory holds the DB, the result storage and the
 UI build; nothing is written to ~/.prefect.
 """

@@ -4,7 +4,7 @@
 
 Registers colocated-train/default and colocated-train/nightly (cron 03:00 UTC, concurrency 1) with
 the parameters of deployments/prefect.yaml, then polls for their runs and executes each in a child
-process. Differences from the worker path (prefect-facts §6): no work pool is needed; code edits
+process. Differences from the worker path (Prefect 3.9): no work pool is needed; code edits
 need a restart (serve runs the flow object it imported); on shutdown the deployments are paused;
 on cancel serve SIGTERMs only the flow-run process, so the train task's own process-group kill is
 what stops torchrun's ranks.

@@ -13,7 +13,7 @@ new draft only if its measured acceptance length beats the promoted one by
 `validation.promote_margin`.
 
 No `from __future__ import annotations` here: `flow.serve` validates the pydantic parameter from
-the pickled flow and fails on postponed annotations (prefect-facts, gotcha 7).
+the pickled flow and fails on postponed annotations (seen with Prefect 3.9).
 """
 
 import argparse

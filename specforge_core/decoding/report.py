@@ -1,7 +1,7 @@
 """The validation report: simulated acceptance (training metrics) beside measured acceptance.
 
 Simulated acceptance length for a chain of k draft tokens, from training accuracies acc_j
-(specforge-facts §10.1, eagle3-decoding.md "Counting"): ``1 + Σ_{i<k} Π_{j≤i} acc_j``. Training
+(the bonus token counts, as in SGLang's acceptance length): ``1 + Σ_{i<k} Π_{j≤i} acc_j``. Training
 accuracies are measured on training data and are not conditional on the earlier draft tokens
 being accepted, so the measured figure on held-out prompts is usually lower; the report puts
 both side by side so the gap is visible.

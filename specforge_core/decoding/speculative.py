@@ -1,6 +1,6 @@
 """Greedy speculative decoding: a draft proposes a chain, the target verifies it in one forward.
 
-One round (eagle3-decoding.md): the target runs ``[pending, d1..dk]`` on its cache, accepts
+One round, as SGLang's EAGLE3 worker verifies a chain: the target runs ``[pending, d1..dk]`` on its cache, accepts
 the longest prefix where ``d_i`` equals its own greedy choice, adds one bonus token (its greedy
 choice after that prefix), and drops the rejected positions from its cache. The draft is then
 extended over the accepted positions with the aux states of that same verify forward. With no

@@ -8,8 +8,8 @@ outputs of the capture layers, concatenated low → high, exactly the features t
 trained on). ``reject(row, n)`` drops a row's rejected tokens; ``keep_rows`` lets finished rows
 leave the batch. Batching only amortises the weight reads: each row is decoded as if alone.
 
-Capture-layer convention (specforge-facts §16.5): layer id i is the output of decoder layer i,
-i.e. Hugging Face ``hidden_states[i + 1]``; ``capture.target.resolve_capture_layers`` picks them.
+Capture-layer convention (SGLang's and SpecForge's): layer id i is the output of decoder layer i,
+i.e. Hugging Face ``hidden_states[i + 1]``; ``capture.target_info.resolve_capture_layers`` picks them.
 """
 
 import inspect

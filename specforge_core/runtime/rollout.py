@@ -6,7 +6,7 @@
         del batch, loss                  # the trainer's half of the memory contract
     print(stream.stats.as_dict())
 
-Contract (DESIGN contract 4):
+Contract:
 
 - **Pull-through, lazy.** ``next()`` takes the rank's next TP-wide batch from the plan's lazy
   iterator, reads exactly those prompt rows, runs one capture and returns this rank's slice.

@@ -124,6 +124,25 @@ class TrainStep(nn.Module):
         return self.objective(self.draft, batch)
 
 
+def build_step(cfg: RunConfig, d: Dist, draft: nn.Module, objective: Objective, *, total_steps: int,
+               accumulation_steps: int) -> tuple[nn.Module, DraftOptimizer]:
+    """The sharded training step and its optimizer, from ``training.*``: what :class:`Trainer` uses
+    and what the benchmarks time."""
+    t = cfg.training
+    root = shard(TrainStep(draft, objective), d, param_dtype=t.param_dtype)
+    optimizer = DraftOptimizer(
+        root,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        accumulation_steps=accumulation_steps,
+        total_steps=total_steps,
+        warmup_ratio=t.warmup_ratio,
+        lr_scheduler=t.lr_scheduler,
+    )
+    return root, optimizer
+
+
 class Trainer:
     """Setup → :meth:`fit` (resume, train, save). See the module docstring for the loop."""
 
@@ -148,17 +167,8 @@ class Trainer:
         self.total_steps = plan.total_optimizer_steps
         self.accumulation_steps = plan.accumulation_steps
         self.draft = draft
-        self.root = shard(TrainStep(draft, objective), d, param_dtype=t.param_dtype)
-        self.optimizer = DraftOptimizer(
-            self.root,
-            learning_rate=t.learning_rate,
-            weight_decay=t.weight_decay,
-            max_grad_norm=t.max_grad_norm,
-            accumulation_steps=plan.accumulation_steps,
-            total_steps=self.total_steps,
-            warmup_ratio=t.warmup_ratio,
-            lr_scheduler=t.lr_scheduler,
-        )
+        self.root, self.optimizer = build_step(cfg, d, draft, objective, total_steps=self.total_steps,
+                                               accumulation_steps=plan.accumulation_steps)
         self.metrics = MetricsLogger(
             self.run_dir, d, total_steps=self.total_steps, derive=derive, sp_size=t.sp_size, echo=echo
         )

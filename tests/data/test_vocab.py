@@ -1,4 +1,4 @@
-"""Point 7: the d2t/t2d vocab map from loss-masked token counts (specforge-facts §4.1)."""
+"""Point 7: the d2t/t2d vocab map from loss-masked token counts (the Vd most frequent supervised tokens, SpecForge's rule)."""
 
 import dataclasses
 import json

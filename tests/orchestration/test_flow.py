@@ -64,8 +64,13 @@ def test_the_report_links_the_plot_saved_beside_it(first):
 def test_the_report_is_a_markdown_artifact_with_the_acceptance_lengths(first):
     flow_run_id, result = first
     markdown = _artifact("validation-report", flow_run_id).data
-    assert f"{result['acceptance_length']:.3f}" in markdown
-    assert result["acceptance_length"] >= 1.0
+    # both measured figures (before and after training) are in the artifact, and they are the
+    # evaluator's own numbers (its per-position acceptance is in the same table row)
+    for key in ("acceptance_length", "acceptance_length_before"):
+        assert f"**{result[key]:.3f}**" in markdown, key
+    assert result["acceptance_length"] == result["measured"]["acceptance_length"]
+    per_position = ", ".join(f"{p:.2f}" for p in result["measured"]["per_position_acceptance"] if p is not None)
+    assert per_position in markdown
 
 
 def test_the_draft_is_exported_for_serving(first):

@@ -5,7 +5,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 from prefect.client.orchestration import get_client
 
@@ -39,8 +38,7 @@ def _stop(proc: subprocess.Popen, workdir) -> None:
 def test_a_sigkilled_run_stays_running_until_recover_marks_it_crashed(prefect_api, tmp_path, capsys):
     proc = _start_flow(prefect_api, tmp_path)
     wait_for(lambda: read_pids(tmp_path / "pids.json"), 60, "the flow's task to start its launcher")
-    _stop(proc, tmp_path)
-    time.sleep(2)
+    _stop(proc, tmp_path)  # returns once the flow process and its launcher are dead: no one is left to report
     run = _flow_run(tmp_path)
     assert run.state.name == "Running"
     assert recover([str(run.id)]) == 0

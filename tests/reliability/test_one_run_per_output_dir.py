@@ -17,16 +17,16 @@ from .runs import Run, alive, final_weights, losses, run_config, run_to_end, sam
 
 
 def test_a_second_train_on_the_same_output_dir_is_refused_naming_the_holder(train_workdir, tiny_target_dir):
-    # 4,400 steps of data: far longer than the second launch takes to start on a slow machine; killed below
-    config = run_config(train_workdir, "busy", tiny_target_dir, world=1, max_steps=5000,
-                        training={"num_epochs": 200})
+    config = run_config(train_workdir, "busy", tiny_target_dir, world=1, max_steps=60)
     first = Run.start(config, world=1)
     try:
         first.wait_step()  # it holds the lock and trains
+        # frozen while the second one asks: it cannot finish (and release the lock) first, however
+        # slow the second launch is; a stopped process is alive and its lock is not stale
+        os.kill(first.proc.pid, signal.SIGSTOP)
         holder = read_holder(train_workdir / "busy" / LOCK_NAME)
         second = Run.start(config, world=1)
         assert second.wait(120) == 2
-        assert alive(first.proc.pid), "the first run ended before the second asked; make it longer"
     finally:
         os.kill(first.proc.pid, signal.SIGKILL)
     assert holder.pid == first.proc.pid and holder.host == socket.gethostname()

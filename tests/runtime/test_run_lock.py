@@ -78,12 +78,12 @@ def test_unreadable_lock_file_is_treated_as_stale(tmp_path):
         assert read_holder(tmp_path / LOCK_NAME).run_id == "new"
 
 
-def _contend(out, barrier, results):
+def _contend(out, barrier, results, release):
     barrier.wait()
     try:
         lock = RunLock(out, run_id=f"p{mp.current_process().pid}").acquire()
         results.put("won")
-        time.sleep(1.0)  # hold it while the others try
+        release.wait(60)  # hold it until every contender has tried (the test says when)
         lock.release()
     except RunBusyError:
         results.put("refused")
@@ -92,11 +92,12 @@ def _contend(out, barrier, results):
 def test_racing_takeovers_of_a_stale_lock_have_one_winner(tmp_path):
     plant(tmp_path, pid=dead_pid())
     ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_contend, args=(tmp_path, barrier, results)) for _ in range(4)]
+    barrier, results, release = ctx.Barrier(4), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_contend, args=(tmp_path, barrier, results, release)) for _ in range(4)]
     for p in procs:
         p.start()
+    outcomes = sorted(results.get(timeout=60) for _ in procs)
+    release.set()
     for p in procs:
         p.join(30)
-    outcomes = sorted(results.get(timeout=5) for _ in procs)
     assert outcomes == ["refused", "refused", "refused", "won"]

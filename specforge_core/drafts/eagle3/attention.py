@@ -1,4 +1,4 @@
-"""Attention across the unrolled training-time-test steps (reference-facts §2.3).
+"""Attention across the unrolled training-time-test steps (SpecForge's TTT mask, without a dense mask).
 
 A query of step k at position t attends to
   - the step-0 keys at positions s ≤ t of the same sample that are real tokens (``s == t`` always,

@@ -1,6 +1,7 @@
 """The EAGLE3 draft at decode time: a KV cache of step-0 rows and chain drafting from it.
 
-Exactly as the draft is trained (specforge-facts §2.3) and served (eagle3-decoding.md):
+Exactly as the draft is trained (the TTT unroll of ``objective.py``) and as SGLang's EAGLE3 worker
+feeds it at decode time:
 
 - **Step-0 rows** are kept in a KV cache. Row t takes the embedding of token t+1 and
   ``fc(aux_t)`` (the target's three captured states at position t), at RoPE position t, and

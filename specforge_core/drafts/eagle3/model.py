@@ -8,7 +8,7 @@
 
 Module and buffer names are the serving key names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
 ``d2t``, ``t2d``; ``fc_norm.{0,1,2}`` with ``config.fc_norm``), so a state dict without the
-embedding is exactly what SGLang and vLLM load. The layer (reference-facts §1.2):
+embedding is exactly what SGLang and vLLM load. The layer, as SGLang's ``LlamaForCausalLMEagle3`` computes it:
 
     h0   = fc(cat(aux_low, aux_mid, aux_high))            project_hidden
     x    = cat(input_layernorm(embed(ids)), hidden_norm(h))   embedding first, 2H wide
@@ -101,7 +101,7 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class Eagle3DraftModel(nn.Module):
-    """EAGLE3 draft (reference-facts §1). ``config``: a draft ``LlamaConfig`` (see draft_config).
+    """The EAGLE3 draft: one decoder layer over three captured target layers. ``config``: a draft ``LlamaConfig`` (see draft_config).
 
     Trainable: ``fc``, ``fc_norm`` (optional), ``midlayer``, ``norm``, ``lm_head``. Frozen and never
     saved: ``embed_tokens`` (a copy of the target's). Persistent buffers: ``d2t`` (int64 ``[Vd]``,

@@ -6,7 +6,7 @@
 
 ``batch`` is a captured batch (mapping or object): ``input_ids [B,T]``, ``attention_mask [B,T]``,
 ``loss_mask [B,T]``, ``aux_hidden [B,T,3·Ht]``, ``last_hidden [B,T,Ht]``, optional
-``position_ids`` / ``seq_ids`` ``[B,T]`` for packed rows. The exact math (reference-facts §2):
+``position_ids`` / ``seq_ids`` ``[B,T]`` for packed rows. The exact math (SpecForge's ``OnlineEagle3Model``, which this must equal):
 
 - shift: at position t, step 0 embeds ``ids[t+1]`` on top of ``fc(aux[t])`` and learns the target
   distribution at position t+1. Step k embeds ``ids[t+1+k]``, uses RoPE position ``pos[t]+k``,

@@ -1,4 +1,5 @@
-"""A slow reference of the EAGLE3 objective, written straight from reference-facts §1-§2.
+"""A slow reference of the EAGLE3 objective, written straight from the math (one-token shift, TTT mask,
+0.8^k weights, soft targets over the draft vocabulary, metrics).
 
 Explicit loops over rows, steps, positions, heads and keys; float64 throughout; no code shared
 with ``specforge_core.drafts.eagle3`` (only the RoPE inverse frequencies come from transformers, the

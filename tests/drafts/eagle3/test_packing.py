@@ -56,13 +56,14 @@ def per_sample_sums(steps, seq_ids, n_samples):
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_each_sample_has_the_same_loss_and_metric_sums_packed_or_unpacked(backend):
-    draft, W, data = tiny_draft(seed=4), target_head(4, HT), samples()
+    # seed 7: a random draft that happens to hit some targets, so "correct" is compared on non-zeros
+    draft, W, data = tiny_draft(seed=7), target_head(4, HT), samples()
     padded = pack_samples(data, [[i] for i in range(len(data))])  # one sample per row, right-padded
     packed = pack_samples(data, plan_packs(LENGTHS, token_budget=16), row_length=16)
     with torch.no_grad():
         alone = per_sample_sums(ttt_unroll(draft, padded, W, ttt_length=5, backend=backend), padded["seq_ids"], 4)
         shared = per_sample_sums(ttt_unroll(draft, packed, W, ttt_length=5, backend=backend), packed["seq_ids"], 4)
-    assert alone["valid"].sum() > 0 and alone["correct"].sum() >= 0
+    assert alone["valid"].sum() > 0 and alone["correct"].sum() > 0
     for field in alone:
         assert (alone[field] - shared[field]).abs().max() < 1e-5, field
 
