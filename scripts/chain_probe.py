@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/chain_probe.py --config examples/smollm2-realcheck.yaml \
         --draft runs/smollm2-realcheck/checkpoints/step-00000064 [--rows 8] [--ttt 3]
 
-Runs the training unroll (``objective.ttt.ttt_unroll``, the code the trainer runs) with the draft
+Runs the training unroll (``drafts.eagle3.objective.ttt_unroll``, the code the trainer runs) with the draft
 on the first ``--rows`` rows of the prompt cache's train split, captured by the ``hf`` backend,
 and prints per step k: acc_k (unconditional, as training logs it), the chain accuracy
 P(step k right | steps 0..k-1 right) — which is what speculative decoding's per-position

@@ -10,7 +10,8 @@ The commands are the modules at the top of ``specforge_core`` (``train``, ``prep
 
 - ``--config C.yaml`` then dotted overrides (``training.max_steps=20``), loaded by
   :func:`~specforge_core.config.load_config` (unknown keys refused with the field named);
-- on success the command's summary is printed as one JSON line on stdout and the exit code is 0;
+- on success the exit code is 0 and a command's summary, when it has one, is one JSON line on
+  stdout (``train`` prints ``step=`` lines instead, ``config`` the resolved YAML);
 - a :class:`~specforge_core.errors.SpecForgeError` (bad config, data, model, checkpoint, resume)
   prints ``error: <where>: <what>`` and ``fix: ...`` on stderr, no traceback, exit code 2;
   anything else is a bug and keeps its traceback.

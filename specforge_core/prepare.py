@@ -4,7 +4,8 @@
     python -m specforge_core.prepare --config C.yaml data.max_length=1024 draft.draft_vocab_size=8000
 
 Output (stdout, one line): ``{"prompt_cache": {"key", "path", "built", "rows": {"train", "eval"},
-"dropped"}, "vocab_map": {"key", "path", "built", "coverage"}}``. Safe to run from several
+"dropped"}, "vocab_map": {"key", "path", "built", "coverage"}}`` (``vocab_map`` null for a draft family
+that uses the full target vocabulary, DFlash). Safe to run from several
 processes at once (one builds, the others wait). Bad input: the message names file:line and the
 fix, on stderr, and the exit code is 2.
 """
@@ -27,14 +28,15 @@ def prepare(cfg) -> dict:
     checked = check_data_inputs(cfg)
     tokenizer, V = checked.tokenizer, checked.vocab_size
     cache = ensure_prompt_cache(cfg, tokenizer)
-    vm = ensure_vocab_map(cfg, cache, V)
+    vm = ensure_vocab_map(cfg, cache, V) if checked.family.uses_vocab_map else None
     return {
         "prompt_cache": {
             "key": cache.key, "path": str(cache.path), "built": cache.built,
             "rows": {"train": cache.train.num_rows, "eval": cache.eval.num_rows},
             "dropped": cache.meta["dropped"],
         },
-        "vocab_map": {"key": vm.key, "path": str(vm.path), "built": vm.built, "coverage": vm.coverage},
+        "vocab_map": None if vm is None else {"key": vm.key, "path": str(vm.path), "built": vm.built,
+                                              "coverage": vm.coverage},
     }
 
 

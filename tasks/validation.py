@@ -61,7 +61,7 @@ def render_summary(rows: dict[str, tuple[str, dict | None]], config: RunConfig, 
     lines = [
         "# colocated-train: validation", "", f"Draft family: **{family}**.", "",
         f"Measured by speculative decoding of {v.num_prompts} held-out prompts with the target "
-        f"(greedy, {v.num_steps} draft tokens per verify pass, up to {v.max_new_tokens} new tokens each).", "",
+        f"(greedy, {config.validation_num_steps} draft tokens per verify pass, up to {v.max_new_tokens} new tokens each).", "",
         "| draft | directory | acceptance length | per-position acceptance |", "|---|---|---|---|",
         *(_row(label, path, result) for label, (path, result) in rows.items()), "",
         f"![loss and acceptance curves]({plot_link})", "",
@@ -104,7 +104,7 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
         promoted_result = before if same else measure("promoted", promoted, promoted)
         rows["currently promoted"] = (str(promoted), promoted_result)
 
-    plot = plot_curves(run.metrics, run.curves, num_steps=config.validation.num_steps,
+    plot = plot_curves(run.metrics, run.curves, num_steps=config.validation_num_steps,
                        measured={"before": before["acceptance_length"], "after": after["acceptance_length"]})
     summary = render_summary(rows, config, plot.name, family.name)
     evaluator_report = Path(after["report"]).read_text(encoding="utf-8")

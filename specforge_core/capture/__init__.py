@@ -3,10 +3,11 @@
     backend = build_capture_backend(cfg, rank=rank, local_rank=local_rank)
     batch = backend.capture(request)      # see capture/base.py for the CapturedBatch contract
 
-Modules: ``base`` (request, batch, protocol), ``target`` (capture layers, run checks against the
-target's config, head weights), ``hf`` (transformers + hooks), ``sglang`` (backend over an
-injected engine), ``sglang_args`` (engine arguments: argv and kwargs views), ``sglang_engine``
-(the one SGLang seam), ``fake_engine`` (SGLang stand-in for CPU tests).
+Modules: ``base`` (request, batch, protocol), ``target_info`` (the target's config, capture
+layers, run checks against it, head weights), ``hf`` (transformers + hooks), ``sglang_backend``
+(backend over an injected engine), ``sglang_args`` (engine arguments: argv and kwargs views),
+``sglang_engine`` (the one SGLang seam), ``packing`` and ``varlen`` (packed rows). The SGLang
+stand-in for CPU tests is ``fixtures/fake_sglang.py``.
 """
 
 from specforge_core.capture.base import CaptureBackend, CapturedBatch, TargetRequest
@@ -17,13 +18,15 @@ __all__ = ["CaptureBackend", "CapturedBatch", "TargetRequest", "build_capture_ba
 
 def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_config=None,
                           topology: Topology | None = None, target_config=None,
-                          layer_ids: tuple[int, ...] | None = None, engine_factory=None) -> CaptureBackend:
+                          layer_ids: tuple[int, ...] | None = None, last_hidden: bool = True,
+                          engine_factory=None) -> CaptureBackend:
     """Load the target for ``rank`` of ``topology`` (default: the config's) and return its backend.
 
     Runs the target-dependent checks first (:func:`~specforge_core.capture.target_info.validate_colocated`,
     capture-layer range). ``target_config``: the target's config when the caller already read it
     (preflight), else it is read here. ``layer_ids``: the target layers to capture, as the draft
-    family resolved them (default: EAGLE3's rule, ``target_info.resolve_capture_layers``). For ``sglang``, ``engine_factory(args, layer_ids, place=,
+    family resolved them (default: EAGLE3's rule, ``target_info.resolve_capture_layers``);
+    ``last_hidden``: keep the target's post-norm hidden (EAGLE3's teacher; DFlash needs none). For ``sglang``, ``engine_factory(args, layer_ids, place=,
     device=)`` builds the engine for this rank's place in its island: SGLang's
     ``ModelRunnerEngine.start`` by default, ``FakeSGLangEngine.start`` in CPU tests.
     """
@@ -39,7 +42,7 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
     if cfg.capture.backend == "hf":
         from specforge_core.capture.hf import HFCaptureBackend
 
-        return HFCaptureBackend.load(cfg, target_config, layer_ids, device=device)
+        return HFCaptureBackend.load(cfg, target_config, layer_ids, device=device, keep_last_hidden=last_hidden)
 
     from specforge_core.capture.sglang_args import SGLangEngineArgs
     from specforge_core.capture.sglang_backend import SGLangCaptureBackend
@@ -51,4 +54,4 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
         engine_factory = ModelRunnerEngine.start
     engine = engine_factory(SGLangEngineArgs.resolve(cfg, topology), layer_ids, place=place, device=device)
     embed, head = load_target_head(cfg.model.target, target_config, resolve_dtype(cfg.model.dtype, device), device)
-    return SGLangCaptureBackend(engine, target_config, embed, head)
+    return SGLangCaptureBackend(engine, target_config, embed, head, keep_last_hidden=last_hidden)

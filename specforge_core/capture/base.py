@@ -14,8 +14,8 @@ local row):
 | ``input_ids`` | ``[B,T]`` long | token ids (pad = 0) |
 | ``attention_mask`` | ``[B,T]`` long | 1 = real token |
 | ``loss_mask`` | ``[B,T]`` long | 1 = supervised (assistant) token |
-| ``aux_hidden`` | ``[B,T,3·Ht]`` target dtype | capture layers' outputs, concatenated low→high |
-| ``last_hidden`` | ``[B,T,Ht]`` target dtype | post-final-norm target hidden (the teacher's input) |
+| ``aux_hidden`` | ``[B,T,K·Ht]`` target dtype | the K capture layers' outputs, concatenated in the family's order |
+| ``last_hidden`` | ``[B,T,Ht]`` target dtype, or None | post-final-norm target hidden (EAGLE3's teacher input); None for a family that needs none (DFlash) |
 | ``position_ids``, ``seq_ids`` | ``[B,T]`` long or None | packed rows only: position within the sample, sample index (-1 = pad) |
 
 With ``request.token_budget`` set, ``B`` counts packed rows, each holding several of this rank's
@@ -53,7 +53,7 @@ class TargetRequest:
     @property
     def num_samples(self) -> int:
         """Samples in the batch: one per task id (packed rows hold several); rows without task ids."""
-        return len(self.task_ids) if self.task_ids else self.batch_size
+        return len(self.task_ids) if self.task_ids else len(self.input_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +73,7 @@ class CapturedBatch:
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
     aux_hidden: torch.Tensor
-    last_hidden: torch.Tensor
+    last_hidden: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     seq_ids: torch.Tensor | None = None
     task_ids: tuple[str, ...] = ()
@@ -108,7 +108,7 @@ class CaptureBackend(Protocol):
     """A target model that captures hidden states on demand. Implemented by ``hf`` and ``sglang``.
 
     Attributes every backend exposes: ``name``, ``layer_ids`` (the three capture ids, output-of-
-    layer convention), ``target_config`` (the HF config), ``hidden_size`` (Ht), ``vocab_size`` (V),
+    layer convention; three for EAGLE3, K for DFlash), ``target_config`` (the HF config), ``hidden_size`` (Ht), ``vocab_size`` (V),
     ``device``, ``lm_head_weight`` (``[V,Ht]``, frozen; the embedding when tied) and
     ``embed_weight`` (``[V,Ht]``, the target's input embedding the draft copies).
     """

@@ -40,13 +40,14 @@ class HFCaptureBackend:
 
     name = "hf"
 
-    def __init__(self, model, layer_ids: tuple[int, int, int], *, compile: bool = False):
+    def __init__(self, model, layer_ids: tuple[int, ...], *, compile: bool = False, keep_last_hidden: bool = True):
         model.eval().requires_grad_(False)
         self.model = model
         self.target_config = model.config
         text = text_config(model.config)
         self.hidden_size: int = text.hidden_size
         self.layer_ids = tuple(layer_ids)
+        self.keep_last_hidden = keep_last_hidden  # False: the draft family needs no teacher (DFlash)
         self.device: torch.device = next(model.parameters()).device
         self._decoder = model.get_decoder()
         layers = getattr(self._decoder, "layers", None)
@@ -73,7 +74,8 @@ class HFCaptureBackend:
         return cls.load(cfg, target_config, resolve_capture_layers(cfg, target_config, draft_config), device=device)
 
     @classmethod
-    def load(cls, cfg, target_config, layer_ids, *, device: torch.device) -> "HFCaptureBackend":
+    def load(cls, cfg, target_config, layer_ids, *, device: torch.device,
+             keep_last_hidden: bool = True) -> "HFCaptureBackend":
         """Load ``model.target`` with its (already checked) config, in ``model.dtype``, and hook it."""
         from transformers import AutoModelForCausalLM
 
@@ -84,7 +86,7 @@ class HFCaptureBackend:
             load["device_map"] = str(device)
         dtype = resolve_dtype(cfg.model.dtype, device)
         model = AutoModelForCausalLM.from_pretrained(cfg.model.target, config=target_config, dtype=dtype, **load)
-        return cls(model.to(device), layer_ids, compile=cfg.training.compile)
+        return cls(model.to(device), layer_ids, compile=cfg.training.compile, keep_last_hidden=keep_last_hidden)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -119,13 +121,14 @@ class HFCaptureBackend:
             # so the TP-wide activations are freed when this function returns.
             rows, local_width = request.local, max(request.local_lengths)
             aux_local = torch.cat([a[rows, :local_width] for a in aux], dim=-1)
-            last_local = last[rows, :local_width].clone()
+            last_local = last[rows, :local_width].clone() if self.keep_last_hidden else None
         finally:
             self._grabbed.clear()
         input_ids, attention_mask, loss_mask = local_inputs(request, self.device)
         padding = ~attention_mask.bool().unsqueeze(-1)
         aux_local.masked_fill_(padding, 0)
-        last_local.masked_fill_(padding, 0)
+        if last_local is not None:
+            last_local.masked_fill_(padding, 0)
         return CapturedBatch(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -151,7 +154,7 @@ class HFCaptureBackend:
                 ).last_hidden_state[0, local]
                 aux = [self._grabbed[slot][0, local] for slot in range(len(self.layer_ids))]
             # The gathers below run outside inference mode: they make the batch's own ordinary tensors.
-            return layout.captured_batch(aux, last, request)
+            return layout.captured_batch(aux, last if self.keep_last_hidden else None, request)
         finally:
             self._grabbed.clear()
 

@@ -125,23 +125,23 @@ class RowLayout:
         return out.view(*index.shape, -1).masked_fill_(~real.unsqueeze(-1), 0)
 
     def captured_batch(
-        self, aux_parts: Sequence[torch.Tensor], last_flat: torch.Tensor, request: TargetRequest
+        self, aux_parts: Sequence[torch.Tensor], last_flat: torch.Tensor | None, request: TargetRequest
     ) -> CapturedBatch:
         """This rank's samples (``request.local``) in this layout, from their flat capture outputs.
 
         ``aux_parts`` (the capture layers' ``[Σℓ, Ht]`` outputs, low→high, or one ``[Σℓ, 3·Ht]``)
-        and ``last_flat [Σℓ, Ht]`` hold the local samples back to back, in order; the result owns
-        fresh tensors (the flat buffers may be freed).
+        and ``last_flat [Σℓ, Ht]`` (None: not kept) hold the local samples back to back, in order;
+        the result owns fresh tensors (the flat buffers may be freed).
         """
         ids, masks = request.input_ids[request.local], request.loss_mask[request.local]
-        device = last_flat.device
+        device = aux_parts[0].device
         index, real = self.flat_index(device)
         batch = CapturedBatch(
             input_ids=self._row_tensor(ids, 0, device),
             attention_mask=real.long(),
             loss_mask=self._row_tensor(masks, 0, device),
             aux_hidden=self.gather(aux_parts, index, real),
-            last_hidden=self.gather([last_flat], index, real),
+            last_hidden=None if last_flat is None else self.gather([last_flat], index, real),
             task_ids=request.task_ids[request.local],
         )
         if self.packed:

@@ -60,12 +60,13 @@ class SGLangCaptureBackend:
     name = "sglang"
 
     def __init__(self, engine: CaptureEngine, target_config, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor):
+                 lm_head_weight: torch.Tensor, *, keep_last_hidden: bool = True):
         self.engine = engine
         self.target_config = target_config
         self.layer_ids = tuple(engine.layer_ids)
         self.hidden_size: int = text_config(target_config).hidden_size
         self.device = engine.device
+        self.keep_last_hidden = keep_last_hidden
         self._embed = embed_weight.requires_grad_(False)
         self._lm_head = lm_head_weight.requires_grad_(False)
 
@@ -100,7 +101,8 @@ class SGLangCaptureBackend:
             )
         # Packed or not, the layout gathers the flat rows into fresh tensors, so the engine's
         # TP-wide buffer is released when this returns.
-        return layout_for(request).captured_batch([packed.aux], packed.last, request)
+        return layout_for(request).captured_batch([packed.aux], packed.last if self.keep_last_hidden else None,
+                                                  request)
 
     def close(self) -> None:
         self.engine.shutdown()

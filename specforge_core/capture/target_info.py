@@ -1,4 +1,4 @@
-"""Facts about the target that capture needs: capture layers, run checks, device, dtype, head weights.
+"""Facts about the target that capture needs: its config, capture layers, run checks, head weights.
 
 The rules here need the target's own config (layer count, context length), so they run where the
 target is loaded (:func:`specforge_core.capture.build_capture_backend`), not at config load.

@@ -96,12 +96,46 @@ class DataConfig(_Section):
         return [v] if isinstance(v, str) else v
 
 
-class DraftConfig(_Section):
-    """The draft model: its family, and the EAGLE3 family's fields (``draft.dflash`` holds DFlash's)."""
+class DFlashSection(_Section):
+    """The DFlash family's fields (``draft.family: dflash``; docs/dflash.md)."""
 
-    family: Literal["eagle3"] = Field(
-        "eagle3", description="Draft family: eagle3 (one layer over 3 captured target layers, chain drafting)."
+    block_size: int = Field(
+        16, description="Tokens per block: the anchor + block_size-1 drafts proposed in one forward "
+        "(SGLang --speculative-num-draft-tokens)."
     )
+    num_layers: int = Field(1, ge=1, description="Draft decoder layers.")
+    target_layer_ids: list[int] | None = Field(
+        None, description="Target layers the draft reads (output-of-layer ids); default: num_layers ids spread "
+        "over [1, N-3] (SpecForge's build_target_layer_ids)."
+    )
+    mask_token_id: int | None = Field(
+        None, description="Embedding row used as MASK; default: the tokenizer's mask token, else the first "
+        "unused embedding row."
+    )
+    num_anchors: int = Field(512, ge=1, description="Blocks sampled per sample per step (fewer if it has fewer "
+                             "supervised positions).")
+    loss_decay_gamma: float | None = Field(7.0, gt=0, description="Slot k weighs exp(-(k-1)/gamma); null: no decay.")
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = Field(
+        None, description="Per draft layer; default: all full_attention (bidirectional within the block)."
+    )
+    sliding_window: int | None = Field(None, gt=0, description="Window of sliding_attention layers.")
+
+    @field_validator("block_size")
+    @classmethod
+    def _block(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(f"must be at least 2 (one anchor and one draft token), got {v}; the usual sizes are 8 and 16")
+        return v
+
+
+class DraftConfig(_Section):
+    """The draft model: its family, the EAGLE3 family's fields, and ``draft.dflash`` for DFlash."""
+
+    family: Literal["eagle3", "dflash"] = Field(
+        "eagle3", description="Draft family: eagle3 (one layer over 3 captured target layers, chain drafting) or "
+        "dflash (a block of drafts in one forward, context injected as keys/values)."
+    )
+    dflash: DFlashSection = Field(default_factory=DFlashSection)
     config_path: str | None = Field(None, description="Draft config JSON; generated from the target if unset.")
     draft_vocab_size: int = Field(32000, gt=0, description="Draft vocabulary size Vd (≤ target vocab).")
     init_from: str | None = Field(
@@ -234,7 +268,10 @@ class OutputConfig(_Section):
 
 class ValidationConfig(_Section):
     enabled: bool = True
-    num_steps: int = Field(3, ge=1, description="Draft tokens proposed per verify round.")
+    num_steps: int | None = Field(
+        None, ge=1, description="Draft tokens proposed per verify round; default: 3 for eagle3, "
+        "draft.dflash.block_size - 1 for dflash."
+    )
     max_new_tokens: int = Field(128, ge=1)
     num_prompts: int = Field(32, ge=1)
     promote_margin: float = Field(
@@ -297,12 +334,26 @@ class RunConfig(_Section):
             )
         if self.capture.backend == "sglang":
             self._check_sglang_capacity()
+        if self.draft.family == "dflash" and self.model.capture_layer_ids is not None:
+            raise ValueError(
+                "model.capture_layer_ids picks EAGLE3's three layers; a DFlash draft reads "
+                "draft.dflash.target_layer_ids: move the ids there, or remove model.capture_layer_ids"
+            )
         return self
+
+    @property
+    def validation_num_steps(self) -> int:
+        """Draft tokens per verify round for validation: ``validation.num_steps`` or the family's default."""
+        if self.validation.num_steps is not None:
+            return self.validation.num_steps
+        return self.draft.dflash.block_size - 1 if self.draft.family == "dflash" else 3
 
     def _check_sglang_capacity(self) -> None:
         """The engine must hold one TP-wide batch: tp_size × batch_size rows of max_length tokens."""
-        t, s, max_len, tp = self.training, self.capture.sglang, self.data.max_length, self.capture.tp_size
-        rows = tp * t.batch_size
+        from specforge_core.run.topology import Topology
+
+        s, max_len, tp = self.capture.sglang, self.data.max_length, self.capture.tp_size
+        rows = Topology(self.deployment.world_size, tp, self.training.batch_size).island_batch_size
         if tp % s.ep_size:
             raise ValueError(
                 f"capture.sglang.ep_size={s.ep_size} must divide capture.tp_size={tp} "

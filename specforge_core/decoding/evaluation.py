@@ -70,7 +70,7 @@ def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_n
     from specforge_core.data.tokenize import ChatRenderer
 
     v = cfg.validation
-    num_steps = v.num_steps if num_steps is None else num_steps
+    num_steps = cfg.validation_num_steps if num_steps is None else num_steps
     max_new_tokens = v.max_new_tokens if max_new_tokens is None else max_new_tokens
     num_prompts = v.num_prompts if num_prompts is None else num_prompts
     run_dir = RunDir(run_dir or cfg.output.dir)
@@ -81,7 +81,7 @@ def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_n
     capture_ids = capture_layers_for(cfg, model, family, draft)
     prompts = held_out_prompts(cfg, tok, num_prompts)
     stops = stop_token_ids(model, tok, ChatRenderer(tok).end_of_turn)
-    measured = measure_acceptance(model, family.drafter(draft), prompts, stop_ids=stops, capture_layer_ids=capture_ids,
+    measured = measure_acceptance(model, family.drafter(draft, model), prompts, stop_ids=stops, capture_layer_ids=capture_ids,
                                   num_steps=num_steps, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                   check_lossless=check_lossless)
     # a checkpoint's own training figures, not the run's last line (which may be later)

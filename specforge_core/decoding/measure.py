@@ -2,7 +2,7 @@
 
 ``measure_acceptance`` decodes the prompts with the target plus the draft (chain drafting,
 greedy verification), ``batch_size`` prompts at a time, and pools the counts
-(``eval.acceptance``). With ``check_lossless`` it also decodes every prompt with the target alone
+(``decoding.acceptance``). With ``check_lossless`` it also decodes every prompt with the target alone
 and compares the outputs token for token: speculation must never change the target's greedy
 output.
 """

@@ -21,6 +21,7 @@ from specforge_core.errors import ConfigError, ModelError
 # family name -> module whose FAMILY attribute implements it
 FAMILIES = {
     "eagle3": "specforge_core.drafts.eagle3.family",
+    "dflash": "specforge_core.drafts.dflash.family",
 }
 # the config files a draft directory may hold: an export, or a checkpoint step directory
 CONFIG_FILES = ("config.json", "draft_config.json")
@@ -59,7 +60,7 @@ class DraftFamily(Protocol):
 
     # ---- decoding --------------------------------------------------------------------------------
     def prepare_for_decoding(self, draft: nn.Module, target_model) -> nn.Module: ...
-    def drafter(self, draft: nn.Module): ...
+    def drafter(self, draft: nn.Module, target_model): ...
 
 
 def get_family(name: str) -> DraftFamily:

@@ -6,7 +6,7 @@
 Layout (``output.dir``, or ``<output.dir>/<flow run>-<id>`` when the flow runs it)::
 
     run.json            the run manifest: resolved config, prompt cache, vocab map, plan (run/manifest.py)
-    config.yaml         the run config as the trainer saw it (credentials masked)
+    config.yaml         the run config the flow's train task recorded for people (credentials masked)
     plan.json           the prompt plan (run/plan.py): the authority on who trains what
     metrics.jsonl       one record per log interval (run/metrics_file.py)
     RUN.lock            held by rank 0 while a run trains here (runtime/run_lock.py)

@@ -161,9 +161,9 @@ def build_training(cfg, d, inputs: RunInputs, checked):
     family = checked.family
     backend = build_capture_backend(
         cfg, rank=d.rank, local_rank=d.local_rank, topology=inputs.topology,
-        target_config=checked.target_config, layer_ids=checked.layer_ids,
+        target_config=checked.target_config, layer_ids=checked.layer_ids, last_hidden=family.captures_last_hidden,
     )
-    draft_config = family.draft_config(cfg, checked.target_config, backend.layer_ids)
+    draft_config = checked.draft_config  # preflight made (and checked) it
     draft = build_draft(cfg, family, backend, inputs.vocab, draft_config=draft_config)
     objective, derive = build_objective(cfg, family, backend)
     contract = training_contract(

@@ -33,7 +33,7 @@ class CheckedInputs:
     target_config: Any | None  # the target's full HF config; None when the run names no target
     vocab_size: int  # V: rows of the target's embedding
     family: Any = None  # the run's draft family (specforge_core.drafts)
-    draft_config: Any | None = None  # a given draft.config_path, loaded
+    draft_config: Any | None = None  # the draft's config: draft.config_path, or generated for the target
     layer_ids: tuple[int, ...] = ()  # the target layers the draft reads
 
 
@@ -76,9 +76,10 @@ def check_run_inputs(cfg) -> CheckedInputs:
         raise ModelError("no target model", where="model.target", fix="set model.target to a Hugging Face directory")
     validate_colocated(cfg, inputs.target_config)
     family = inputs.family
-    draft_config = family.given_draft_config(cfg)
-    inputs.layer_ids = tuple(family.capture_layer_ids(cfg, inputs.target_config, draft_config))
-    if draft_config is not None:
-        family.check_draft_config(cfg, draft_config, inputs.target_config, inputs.vocab_size)
-    inputs.draft_config = draft_config
+    given = family.given_draft_config(cfg)
+    inputs.layer_ids = tuple(family.capture_layer_ids(cfg, inputs.target_config, given))
+    if given is not None:
+        family.check_draft_config(cfg, given, inputs.target_config, inputs.vocab_size)
+    # the draft config the run will train (given, or generated from the target: its checks run here)
+    inputs.draft_config = family.draft_config(cfg, inputs.target_config, inputs.layer_ids, tokenizer=inputs.tokenizer)
     return inputs

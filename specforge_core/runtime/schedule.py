@@ -1,6 +1,6 @@
 """The learning-rate curve over the run's horizon, in optimizer steps. Pure functions.
 
-The horizon is the prompt plan's ``total_optimizer_steps`` (``specforge_core/plan.py``: whole
+The horizon is the prompt plan's ``total_optimizer_steps`` (``specforge_core/run/plan.py``: whole
 optimizer steps only, capped by ``training.max_steps``). The learning rate rises linearly from 0
 over ``int(warmup_ratio · horizon)`` steps, then follows a half cosine down to 0 at the horizon
 (``cosine``) or stays at the peak (``constant``). The multiplier for step s is the one applied by

@@ -6,8 +6,8 @@
                       contract=contract, write_draft_files=write_draft_files)
     trainer.fit()       # resume (per training.resume) → train to the plan's horizon → final save
 
-``python -m specforge_core.train`` builds these pieces from a run config; this module knows nothing
-about EAGLE3 itself: the ``objective(draft, batch) -> (loss, sums)`` computes the loss and the
+``python -m specforge_core.train`` builds these pieces from a run config (``runtime/builder.py``);
+this module knows no draft family: the ``objective(draft, batch) -> (loss, sums)`` computes the loss and the
 summable metric sums, ``derive(sums)`` turns reduced sums into named metrics.
 
 One optimizer step, on every rank: ``accumulation_steps`` times { pull one batch from the rollout
@@ -122,6 +122,21 @@ class TrainStep(nn.Module):
 
     def forward(self, batch: CapturedBatch) -> tuple[torch.Tensor, dict]:
         return self.objective(self.draft, batch)
+
+
+def sum_loss_grad_scale(d: Dist, local_weight: float, accumulation_steps: int) -> float:
+    """For an objective whose loss is a sum Σ w·ℓ (DFlash): the factor that turns a window's
+    gradients into those of Σ w·ℓ / Σ w over every micro-batch of every rank (the global weighted
+    mean), so that how the batch is split over ranks and micro-steps changes nothing.
+
+    ``DraftOptimizer.backward`` divided each micro-batch by ``accumulation_steps`` and FSDP's
+    reduce averaged over the world, so the gradients hold Σ ∇(w·ℓ) / (A·W); one scalar all-reduce
+    of this rank's Σ w gives the global weight. 0 (no update) when no position had weight.
+    """
+    from specforge_core.runtime.distributed import all_reduce
+
+    total = all_reduce(d, [local_weight])[0]
+    return accumulation_steps * d.world_size / total if total > 0 else 0.0
 
 
 def build_step(cfg: RunConfig, d: Dist, draft: nn.Module, objective: Objective, *, total_steps: int,
@@ -273,20 +288,8 @@ class Trainer:
                 captured_tokens=stats.island_tokens - before[2],
                 staged_bytes=stats.peak_staged_bytes,
             )
-        self.metrics.add_step(**self.optimizer.step(self._grad_scale(weight) if self.loss_is_sum else None))
-
-    def _grad_scale(self, local_weight: torch.Tensor) -> float:
-        """For a loss that is a sum Σ w·ℓ: the factor that turns the window's gradients into those of
-        Σ w·ℓ / Σ w over every micro-batch of every rank (the global token-weighted mean).
-
-        ``backward`` divided each micro-batch by ``accumulation_steps`` and the ranks' reduce
-        averaged over the world, so the gradients hold Σ ∇(w·ℓ) / (A·W); one scalar all-reduce of
-        Σ w gives the global weight.
-        """
-        from specforge_core.runtime.distributed import all_reduce
-
-        total = all_reduce(self.d, [float(local_weight)])[0]
-        return self.accumulation_steps * self.d.world_size / total if total > 0 else 0.0
+        scale = sum_loss_grad_scale(self.d, float(weight), self.accumulation_steps) if self.loss_is_sum else None
+        self.metrics.add_step(**self.optimizer.step(scale))
 
     # ---- save ----------------------------------------------------------------------------------
 

@@ -148,3 +148,22 @@ def test_a_budget_below_max_length_is_refused_before_loading(tiny_target_dir):
 def test_a_packed_batch_counts_its_samples_not_its_rows(hf_backend):
     batch = hf_backend.capture(packed(make_request([3, 2, 4]), 16))
     assert batch.batch_size == 1 and batch.num_samples == 3
+
+
+# --- a family that reads K layers and no final hidden (DFlash) -------------------------------------
+
+
+@pytest.mark.parametrize("backend_name", ["hf", "sglang"])
+def test_k_layers_without_the_final_hidden_are_captured_packed_or_not(backend_name, tiny_target_dir):
+    ids = (1, 2, 4, 5, 6)
+    cfg = load_config(None, [f"model.target={tiny_target_dir}", f"capture.backend={backend_name}",
+                             "data.max_length=256", "model.dtype=float32", "draft.family=dflash"])
+    backend = build_capture_backend(cfg, layer_ids=ids, last_hidden=False, engine_factory=FakeSGLangEngine.start)
+    request = make_request([9, 5, 7, 3], local=slice(0, 4))
+    plain, pack = backend.capture(request), backend.capture(packed(request, token_budget=16))
+    assert backend.layer_ids == ids and plain.last_hidden is None and pack.last_hidden is None
+    assert plain.aux_hidden.shape[-1] == len(ids) * backend.hidden_size
+    for sample in range(4):
+        rows = pack.seq_ids == sample
+        n = int(rows.sum())
+        torch.testing.assert_close(pack.aux_hidden[rows], plain.aux_hidden[sample, :n], rtol=1e-4, atol=1e-4)

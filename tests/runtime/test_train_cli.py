@@ -113,28 +113,35 @@ def _kill_after_checkpoint(config: Path, nproc: int, step: int) -> None:
 N = 2  # the killed run is checkpointed at step N and killed; both runs train 2N steps
 
 
-@pytest.fixture(scope="module")
-def straight_run(workdir, tiny_target_dir):
-    config = write_config(workdir, "straight", tiny_target_dir, training={"max_steps": 2 * N, "save_interval": N},
-                          deployment={"nproc_per_node": 2})
+FAMILIES = {"eagle3": {"draft_vocab_size": 256},
+            "dflash": {"family": "dflash", "dflash": {"block_size": 4, "num_anchors": 16}}}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def straight_run(request, workdir, tiny_target_dir):
+    family = request.param
+    config = write_config(workdir, f"straight-{family}", tiny_target_dir, draft=FAMILIES[family],
+                          training={"max_steps": 2 * N, "save_interval": N}, deployment={"nproc_per_node": 2})
     run_to_end(config, 2)
-    return workdir / "straight"
+    return family, workdir / f"straight-{family}"
 
 
 def test_killed_run_resumes_to_identical_losses_and_bit_identical_weights(workdir, tiny_target_dir, straight_run):
-    killed = write_config(workdir, "killed", tiny_target_dir, training={"max_steps": 2 * N, "save_interval": N},
-                          deployment={"nproc_per_node": 2})
+    family, straight_run = straight_run
+    name = f"killed-{family}"
+    killed = write_config(workdir, name, tiny_target_dir, draft=FAMILIES[family],
+                          training={"max_steps": 2 * N, "save_interval": N}, deployment={"nproc_per_node": 2})
     _kill_after_checkpoint(killed, 2, step=N)
-    assert latest_checkpoint(workdir / "killed").name == f"step-{N:08d}"
+    assert latest_checkpoint(workdir / name).name == f"step-{N:08d}"
     out = run_to_end(killed, 2)
-    assert f"resumed from {checkpoints_dir(workdir / 'killed') / f'step-{N:08d}'}" in out
+    assert f"resumed from {checkpoints_dir(workdir / name) / f'step-{N:08d}'}" in out
 
-    a, b = records(straight_run), records(workdir / "killed")
+    a, b = records(straight_run), records(workdir / name)
     assert [r["step"] for r in b] == list(range(1, 2 * N + 1))
     assert [r["loss"] for r in b] == [r["loss"] for r in a]
     assert [r["captures"] for r in b] == [2 * 2] * (2 * N)  # the resumed half captured only its own prompts
     wa = load_file(str(latest_checkpoint(straight_run) / "draft.safetensors"))
-    wb = load_file(str(latest_checkpoint(workdir / "killed") / "draft.safetensors"))
+    wb = load_file(str(latest_checkpoint(workdir / name) / "draft.safetensors"))
     assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 

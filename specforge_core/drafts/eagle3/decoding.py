@@ -14,7 +14,7 @@ feeds it at decode time:
 - A draft token is ``argmax lm_head(norm(h))`` over the draft vocabulary, mapped to the target
   vocabulary with ``d2t`` (``target = d + d2t[d]``).
 
-``DraftRunner`` implements ``eval.speculative.Drafter`` for a batch of sequences.
+``DraftRunner`` implements ``decoding.speculative.Drafter`` for a batch of sequences.
 """
 
 import torch

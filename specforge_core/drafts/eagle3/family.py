@@ -115,7 +115,7 @@ class Eagle3Family:
         draft.load_embedding(target_model.get_input_embeddings().weight.detach().cpu())
         return draft.to(target_model.device).eval()
 
-    def drafter(self, draft):
+    def drafter(self, draft, target_model):
         from specforge_core.drafts.eagle3.decoding import DraftRunner
 
         return DraftRunner(draft)

@@ -19,7 +19,7 @@ SUM_KEYS = ("loss_sum", "acc_correct", "acc_total", "accept_sum", "accept_total"
 
 
 def metric_sums(steps, positions: int) -> dict[str, torch.Tensor]:
-    """Sum the per-position step terms (``ttt.StepTerms``) into the summable metric dict."""
+    """Sum the per-position step terms (``objective.StepTerms``) into the summable metric dict."""
     def stacked(attr):
         return torch.stack([getattr(s, attr).detach().sum() for s in steps]).double()
 

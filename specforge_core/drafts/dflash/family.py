@@ -1,0 +1,144 @@
+"""DFlash behind the draft-family seam (``specforge_core/drafts/__init__.py``).
+
+A block of ``block_size - 1`` drafts in one forward: Qwen3-style layers over the frozen target
+embedding of ``[anchor, MASK, ...]``, conditioned on K captured target layers injected as keys and
+values into every layer; trained by same-position cross-entropy over the full target vocabulary
+at random anchors (``objective.py``), globally normalised (the loss is a sum: the trainer divides
+the gradients by the global ``Σ w``); exported in the layout SGLang (``--speculative-algorithm
+DFLASH``) and vLLM (``method: dflash``) load (``serving.py``); decoded one block per verify pass
+(``decoding.py``). No draft vocabulary, no final target hidden. The run config's ``draft.dflash``
+section holds its fields (docs/dflash.md).
+"""
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from specforge_core.capture.target_info import text_config
+from specforge_core.drafts.dflash import config as configs
+from specforge_core.drafts.dflash import serving
+from specforge_core.drafts.dflash.model import DFlashDraftModel
+from specforge_core.drafts.dflash.objective import dflash_loss, summarize_dflash_metrics
+from specforge_core.errors import ModelError
+
+
+def batch_generator(seed: int, task_ids) -> torch.Generator:
+    """The anchors' generator of one batch: a pure function of the run seed and the batch's task ids
+    (``island-epoch-slot-prompt``), so a resumed run draws the anchors the uninterrupted one drew,
+    every epoch draws new ones, and the same samples packed or not draw the same ones."""
+    digest = hashlib.sha256(f"{seed}|{'|'.join(task_ids)}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+class DFlashFamily:
+    name = "dflash"
+    architectures = ("DFlashDraftModel",)
+    uses_vocab_map = False
+    captures_last_hidden = False
+    loss_is_sum = True
+
+    # ---- configuration ---------------------------------------------------------------------------
+
+    def capture_layer_ids(self, cfg, target_config, draft_config=None) -> tuple[int, ...]:
+        text = text_config(target_config)
+        n = int(text.num_hidden_layers)
+        if draft_config is not None:
+            ids, where = configs.target_layer_ids_of(draft_config), "draft config dflash_config.target_layer_ids"
+        elif cfg.draft.dflash.target_layer_ids is not None:
+            ids, where = list(cfg.draft.dflash.target_layer_ids), "draft.dflash.target_layer_ids"
+        else:
+            ids, where = configs.build_target_layer_ids(n, cfg.draft.dflash.num_layers), f"default for {n} layers"
+        if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= n - 1:
+            raise ModelError(
+                f"target layer ids {ids} must be distinct ids in [0, {n - 1}) for a {n}-layer target "
+                "(the last layer's output is the final hidden, which SGLang cannot capture as a layer)",
+                where=where,
+                fix=f"set draft.dflash.target_layer_ids to distinct ids below {n - 1}, or remove it for the default",
+            )
+        return tuple(ids)
+
+    def given_draft_config(self, cfg):
+        return configs.load_dflash_config(cfg.draft.config_path) if cfg.draft.config_path else None
+
+    def check_draft_config(self, cfg, draft_config, target_config, vocab_size: int) -> None:
+        configs.check_fits_target(draft_config, target_config, where=f"draft.config_path ({cfg.draft.config_path})")
+
+    def draft_config(self, cfg, target_config, layer_ids, *, tokenizer=None):
+        given = self.given_draft_config(cfg)
+        if given is not None:
+            return given
+        d = cfg.draft.dflash
+        vocab = int(text_config(target_config).vocab_size)
+        mask = configs.resolve_mask_token_id(d.mask_token_id, tokenizer, vocab)
+        return configs.dflash_config_from_target(
+            target_config, block_size=d.block_size, num_layers=d.num_layers, target_layer_ids=list(layer_ids),
+            mask_token_id=mask, layer_types=d.layer_types, sliding_window=d.sliding_window,
+        )
+
+    def contract_fields(self, cfg) -> dict:
+        d = cfg.draft.dflash
+        return {"dflash.num_anchors": d.num_anchors, "dflash.loss_decay_gamma": d.loss_decay_gamma}
+
+    def serving_config(self, config) -> dict:
+        return configs.dflash_config_to_dict(config)
+
+    def trained_layer_ids(self, config) -> list[int] | None:
+        return configs.target_layer_ids_of(config)
+
+    # ---- model and training ----------------------------------------------------------------------
+
+    def new_draft(self, config) -> DFlashDraftModel:
+        return DFlashDraftModel(config)
+
+    def warm_start(self, directory, config) -> DFlashDraftModel:
+        return serving.warm_start_dflash(directory, config)
+
+    def attach_target(self, draft, backend, vocab) -> None:
+        """Nothing to copy: the objective reads the target's frozen embedding and head directly."""
+
+    def objective(self, cfg, backend):
+        d, seed = cfg.draft.dflash, cfg.training.seed
+        embed, head = backend.embed_weight, backend.lm_head_weight
+        backend_name = cfg.draft.attention_backend
+
+        def loss(draft, batch):
+            return dflash_loss(
+                draft, batch, embed_weight=embed, lm_head_weight=head, block_size=draft.config.block_size,
+                num_anchors=d.num_anchors, loss_decay_gamma=d.loss_decay_gamma,
+                generator=batch_generator(seed, getattr(batch, "task_ids", ())), backend=backend_name,
+            )
+
+        return loss
+
+    def summarize(self, cfg, sums: dict) -> dict:
+        return summarize_dflash_metrics(sums)
+
+    # ---- files -------------------------------------------------------------------------------------
+
+    def save_checkpoint_files(self, draft, directory: Path, state_dict=None) -> None:
+        serving.save_dflash_checkpoint_files(draft, directory, state_dict)
+
+    def load_checkpoint_files(self, directory: Path) -> DFlashDraftModel:
+        return serving.load_dflash_from_files(directory)
+
+    def export(self, draft, out_dir: Path, dtype: str = "keep") -> Path:
+        return serving.export_dflash(draft, out_dir, dtype=dtype)
+
+    def load_export(self, directory: Path) -> DFlashDraftModel:
+        return serving.load_exported_dflash(directory)
+
+    # ---- decoding ----------------------------------------------------------------------------------
+
+    def prepare_for_decoding(self, draft, target_model):
+        draft.cast_params(target_model.dtype)
+        return draft.to(target_model.device).eval()
+
+    def drafter(self, draft, target_model):
+        from specforge_core.drafts.dflash.decoding import DFlashDrafter
+
+        return DFlashDrafter(draft, embed_weight=target_model.get_input_embeddings().weight,
+                             lm_head_weight=target_model.get_output_embeddings().weight)
+
+
+FAMILY = DFlashFamily()

@@ -1,0 +1,476 @@
+"""The DFlash objective: random anchor blocks, one draft forward, weighted same-position CE.
+
+    g = anchor_generator(seed, step=step, rank=rank, micro_step=micro)
+    loss, sums = dflash_loss(draft, batch, embed_weight=E, lm_head_weight=W, block_size=16,
+                             num_anchors=512, loss_decay_gamma=7.0, generator=g)
+    loss.backward()                       # the numerator Σ w·CE: see "normalisation" below
+    summarize_dflash_metrics(sums)        # after summing sums over micro-steps and ranks
+
+``batch`` (mapping or object): ``input_ids``, ``attention_mask``, ``loss_mask`` ``[b,T]``,
+``aux_hidden [b,T,K·H]`` (the draft's target layers, concatenated in ``target_layer_ids``
+order), optional ``position_ids`` / ``seq_ids`` ``[b,T]`` for packed rows (``seq_ids`` -1 on
+padding). ``last_hidden`` is not read. The math (SpecForge's ``OnlineDFlashModel``), per **sample** (an unpacked
+row, or one document of a packed row), with within-sample positions:
+
+- **anchors**: candidates p with ``lm[p]`` and ``lm[p+1]`` (p+1 in the sample). Sample by sample,
+  in sample order (``seq_ids`` order; rows when unpacked), ``torch.rand(L_s, generator)`` draws
+  one key per position; the ``min(N, #candidates)`` candidates with the smallest keys are the
+  anchors, sorted. So a packed batch and the same samples unpacked get the same anchors from
+  the same generator state, and no sample's anchors depend on how it is laid out.
+- **blocks**: block j is ``[x_a, MASK × (B-1)]`` at positions ``a .. a+B-1``, embedded by the
+  frozen target embedding. The context is ``ctx = hidden_norm(fc(aux))`` of every real token.
+- **mask** (True = may attend), for block j of sample s and slot o: context key c iff c is in s
+  and ``pos[c] < a`` (strictly before the anchor), and for sliding layers also
+  ``pos[c] >= a + o - (W-1)``; block key iff it is in block j (sliding layers: slot ``<= o``).
+  Nothing crosses a sample or a block.
+- **weights**: ``w = keep · inbounds · (k>0) · lm[a+k] · exp(-(k-1)/γ)`` (no decay when γ is
+  None), ``inbounds`` = ``a+k`` is a token of the same sample. Slot k predicts ``x[a+k]``.
+- **loss**: ``Σ w · CE(target_head(h), x[a+k])`` over the full target vocab, computed in row
+  chunks (``[rows, V]`` fp32 logits exist for one chunk at a time, in forward and backward).
+
+**Normalisation (the trainer's contract).** ``loss`` is the *numerator* ``Σ w·CE`` of this
+micro-batch and ``sums["weight_sum"]`` its ``Σ w``. The objective is the global weighted mean
+``Σ_{micro-steps, ranks} Σ w·CE / Σ_{micro-steps, ranks} Σ w``: back-propagate each micro-step's
+numerator unscaled, all-reduce (sum) ``weight_sum`` over the step's micro-steps and ranks, and
+divide the accumulated gradients by that global ``Σ w`` before clipping (if the gradient
+reduction averages over ranks, as FSDP's does, divide by ``Σ w / world_size`` instead). Skip
+the update if the global ``Σ w`` is 0.
+
+``sums`` are float64 tensors that ranks and micro-steps add: ``weight_sum``, ``loss_sum``
+(= the numerator, detached), per draft position i = k-1 (``[B-1]``) ``correct``, ``total``
+(unweighted counts of weighted slots) and ``ce_sum`` (unweighted CE), and ``accept_reach [B]``:
+``accept_reach[i]`` = blocks whose first i drafts (slots 1..i) all have a target and are
+argmax-correct (``accept_reach[0]`` = all blocks).
+
+Backends: ``sdpa`` (dense bool masks ``[b, Q, T+Q]``; CPU and GPU), ``flex`` (CUDA:
+``torch.nn.attention.flex_attention`` with a block mask from the same predicate; torch has no
+CPU flex backward), ``auto`` = flex on CUDA, sdpa elsewhere.
+"""
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specforge_core.drafts.dflash.model import dense_attend
+from specforge_core.errors import ConfigError, ModelError
+
+BACKENDS = ("auto", "sdpa", "flex")
+SUM_KEYS = ("weight_sum", "loss_sum", "correct", "total", "ce_sum", "accept_reach")
+REQUIRED_FIELDS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden")
+_compiled_flex = None
+
+
+def anchor_generator(seed: int, *, step: int, rank: int, micro_step: int) -> torch.Generator:
+    """A CPU generator for one micro-batch's anchors, a pure function of its coordinates (so a
+    resumed run redraws the same anchors)."""
+    digest = hashlib.sha256(f"dflash-anchors:{seed}:{step}:{rank}:{micro_step}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+@dataclass
+class DFlashBlocks:
+    """The anchor blocks of one batch, laid out per row: ``NB`` block slots per row, each
+    ``block_size`` queries (``Q = NB·B``). Rows with fewer blocks have padding slots
+    (``keep`` False) that see only their own block and carry no weight.
+    """
+
+    block_size: int
+    ctx_sample: torch.Tensor  # [b,T] sample index of each token, -1 on padding
+    ctx_pos: torch.Tensor  # [b,T] position within its sample
+    sample: torch.Tensor  # [b,NB] the block's sample; -2 on padding slots (matches no token: no context)
+    anchor_col: torch.Tensor  # [b,NB] the anchor's column in the row
+    anchor_pos: torch.Tensor  # [b,NB] the anchor's position within its sample
+    keep: torch.Tensor  # [b,NB] bool
+    tokens: torch.Tensor  # [b,NB,B] block input ids: [x_a, MASK, ...]
+    labels: torch.Tensor  # [b,NB,B] x[a+k]
+    valid: torch.Tensor  # [b,NB,B] bool: keep · inbounds · (k>0) · lm[a+k]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[b, NB·B]`` RoPE positions ``a + k`` of the block stream."""
+        k = torch.arange(self.block_size, device=self.anchor_pos.device)
+        return (self.anchor_pos[..., None] + k).flatten(1)
+
+    @property
+    def ctx_len(self) -> int:
+        return self.ctx_pos.shape[1]
+
+
+def _field(batch, name):
+    return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
+
+
+def _samples(attention_mask, seq_ids, position_ids):
+    """Each token's sample and within-sample position, and each sample's row, start and length
+    (samples numbered in ``seq_ids`` order, rows when unpacked). Checks that every sample is one
+    contiguous run of its row and that given ``position_ids`` restart at 0 per sample."""
+    b, t = attention_mask.shape
+    real = attention_mask.bool()
+    device = real.device
+    rows = torch.arange(b, device=device)[:, None].expand(b, t)
+    sid = torch.where(real, rows if seq_ids is None else seq_ids.long(), -1)
+    flat = torch.nonzero(real.flatten()).flatten()
+    uniq, rank = torch.unique(sid.flatten()[flat], return_inverse=True)
+    ns = uniq.numel()
+    row, col = flat // t, flat % t
+    start = torch.full((ns,), t, device=device, dtype=torch.long).scatter_reduce(0, rank, col, "amin")
+    end = torch.zeros(ns, device=device, dtype=torch.long).scatter_reduce(0, rank, col, "amax")
+    row_min = torch.full((ns,), b, device=device, dtype=torch.long).scatter_reduce(0, rank, row, "amin")
+    row_max = torch.zeros(ns, device=device, dtype=torch.long).scatter_reduce(0, rank, row, "amax")
+    length = torch.bincount(rank, minlength=ns)
+    if not bool(((end - start + 1 == length) & (row_min == row_max)).all()):
+        raise ModelError(
+            "a sample is not one contiguous run of real tokens in one row",
+            where="captured batch: seq_ids",
+            fix="pack samples back to back (capture.packing.RowLayout); seq_ids -1 only on padding",
+        )
+    ctx_sample = torch.full((b * t,), -1, device=device, dtype=torch.long)
+    ctx_sample[flat] = rank
+    ctx_pos = torch.zeros(b * t, device=device, dtype=torch.long)
+    ctx_pos[flat] = col - start[rank]
+    if position_ids is not None and not torch.equal(position_ids.long().flatten()[flat], ctx_pos[flat]):
+        raise ModelError(
+            "position_ids do not restart at 0 for every sample",
+            where="captured batch: position_ids",
+            fix="give within-sample positions (capture.packing.RowLayout does), or leave them out",
+        )
+    return ctx_sample.view(b, t), ctx_pos.view(b, t), row_min, start, length
+
+
+def _sample_keys(lengths: list[int], generator: torch.Generator | None, device) -> torch.Tensor:
+    """One uniform key per token, drawn sample by sample in sample order (the anchor contract)."""
+    gen_device = generator.device if generator is not None else "cpu"
+    draws = [torch.rand(n, generator=generator, device=gen_device) for n in lengths]
+    return torch.cat(draws).to(device) if draws else torch.zeros(0, device=device)
+
+
+def build_blocks(
+    batch, *, block_size: int, num_anchors: int, mask_token_id: int, generator: torch.Generator | None
+) -> DFlashBlocks:
+    """Sample the anchors of every sample and lay their blocks out per row (module docstring)."""
+    ids = _field(batch, "input_ids").long()
+    b, t = ids.shape
+    device = ids.device
+    lm = _field(batch, "loss_mask").bool() & _field(batch, "attention_mask").bool()
+    ctx_sample, ctx_pos, s_row, s_start, s_len = _samples(
+        _field(batch, "attention_mask"), _field(batch, "seq_ids"), _field(batch, "position_ids")
+    )
+    lengths = s_len.tolist()
+    width = max(lengths, default=1)
+    span = torch.arange(width, device=device)
+    inside = span < s_len[:, None]  # [ns, width]
+    lm_grid = lm[s_row[:, None], (s_start[:, None] + span).clamp(max=t - 1)] & inside
+    keys = torch.full((len(lengths), width), 2.0, device=device)
+    keys[inside] = _sample_keys(lengths, generator, device)
+    cand = F.pad(lm_grid[:, :-1] & lm_grid[:, 1:], (0, 1))
+    keys = keys.masked_fill(~cand, 2.0)
+    n_keep = min(num_anchors, width)
+    order = keys.argsort(dim=1, stable=True)[:, :n_keep]
+    taken = torch.arange(n_keep, device=device) < cand.sum(1).clamp(max=num_anchors)[:, None]
+    chosen = torch.where(taken, order, width).sort(dim=1).values
+    s_idx, j_idx = torch.nonzero(chosen < width, as_tuple=True)  # kept anchors, by sample then position
+    a_pos = chosen[s_idx, j_idx]
+    a_row, a_col = s_row[s_idx], s_start[s_idx] + a_pos
+    by_row = torch.argsort(a_row * t + a_col, stable=True)
+    s_idx, a_pos, a_row, a_col = s_idx[by_row], a_pos[by_row], a_row[by_row], a_col[by_row]
+    per_row = torch.bincount(a_row, minlength=b)
+    slot = torch.arange(a_row.numel(), device=device) - (per_row.cumsum(0) - per_row)[a_row]
+    nb = max(int(per_row.max()) if per_row.numel() else 0, 1)
+
+    def grid(fill, values):
+        out = torch.full((b, nb), fill, device=device, dtype=values.dtype)
+        out[a_row, slot] = values
+        return out
+
+    keep = grid(False, torch.ones_like(a_row, dtype=torch.bool))
+    sample, anchor_col, anchor_pos = grid(-2, s_idx), grid(0, a_col), grid(0, a_pos)
+    k = torch.arange(block_size, device=device)
+    tokens = torch.full((b, nb, block_size), mask_token_id, device=device, dtype=torch.long)
+    tokens[..., 0] = torch.where(keep, ids.gather(1, anchor_col), mask_token_id)
+    col = anchor_col[..., None] + k
+    at = col.clamp(max=t - 1).flatten(1)
+
+    def read(x):
+        return x.gather(1, at).view(b, nb, block_size)
+
+    same = (col < t) & (read(ctx_sample) == sample[..., None])
+    valid = keep[..., None] & same & (k > 0) & read(lm)
+    return DFlashBlocks(block_size, ctx_sample, ctx_pos, sample, anchor_col, anchor_pos, keep,
+                        tokens, read(ids), valid)
+
+
+def visible(blocks: DFlashBlocks, b, q, kv, window: int | None) -> torch.Tensor:
+    """The mask predicate for row ``b``, query ``q`` (block stream) and key ``kv`` (context
+    ``[0,T)``, then the block stream): broadcasting tensors for the dense mask, or the scalar
+    indices of a flex ``mask_mod``. ``window``: the sliding window, None for full attention."""
+    size, t = blocks.block_size, blocks.ctx_len
+    j = (q // size).clamp(max=blocks.keep.shape[1] - 1)
+    o = q % size
+    c = kv.clamp(max=t - 1)
+    key_pos, anchor = blocks.ctx_pos[b, c], blocks.anchor_pos[b, j]
+    ctx_ok = (kv < t) & (blocks.ctx_sample[b, c] == blocks.sample[b, j]) & (key_pos < anchor)
+    d = (kv - t).clamp(min=0)
+    blk_ok = (kv >= t) & (d // size == j)
+    if window is not None:
+        ctx_ok = ctx_ok & (key_pos >= anchor + o - (window - 1))
+        blk_ok = blk_ok & (d % size <= o)
+    return ctx_ok | blk_ok
+
+
+def _window(layer_type: str, sliding_window: int | None) -> int | None:
+    return sliding_window if layer_type == "sliding_attention" else None
+
+
+def dense_masks(blocks: DFlashBlocks, layer_types, sliding_window: int | None) -> dict[str, torch.Tensor]:
+    """Bool ``[b, Q, T+Q]`` mask per layer type present (True = may attend)."""
+    b, nb = blocks.keep.shape
+    q_len, device = nb * blocks.block_size, blocks.keep.device
+    rows = torch.arange(b, device=device)[:, None, None]
+    q = torch.arange(q_len, device=device)[None, :, None]
+    kv = torch.arange(blocks.ctx_len + q_len, device=device)[None, None, :]
+    return {lt: visible(blocks, rows, q, kv, _window(lt, sliding_window)) for lt in set(layer_types)}
+
+
+def _flex():
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def pad_for_flex(blocks: DFlashBlocks, aux_hidden: torch.Tensor, mask_token_id: int, multiple: int = 128):
+    """``(blocks, aux_hidden)`` with the context and the block stream padded to multiples of
+    ``multiple`` (flex's tile): padding context columns belong to no sample and padding block
+    slots are not kept, so nothing changes but the shapes (regular tiles, few recompiles; and
+    torch 2.11's inductor found no flex kernel for some sub-tile lengths)."""
+    nb, size, t = blocks.keep.shape[1], blocks.block_size, blocks.ctx_len
+    extra_t = -t % multiple
+    extra_nb = (-(nb * size) % multiple) // size if multiple % size == 0 else 0
+
+    def pad(x, value, n, dim):
+        shape = list(x.shape)
+        shape[dim] = n
+        return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+    blocks = DFlashBlocks(
+        size,
+        pad(blocks.ctx_sample, -1, extra_t, 1),
+        pad(blocks.ctx_pos, 0, extra_t, 1),
+        pad(blocks.sample, -2, extra_nb, 1),
+        pad(blocks.anchor_col, 0, extra_nb, 1),
+        pad(blocks.anchor_pos, 0, extra_nb, 1),
+        pad(blocks.keep, False, extra_nb, 1),
+        pad(blocks.tokens, mask_token_id, extra_nb, 1),
+        pad(blocks.labels, 0, extra_nb, 1),
+        pad(blocks.valid, False, extra_nb, 1),
+    )
+    return blocks, pad(aux_hidden, 0, extra_t, 1)
+
+
+def _mask_mod(blocks: DFlashBlocks, window: int | None):
+    # exactly four positional parameters: flex tells a mask_mod from a score_mod by their count
+    def mask_mod(b, h, q, kv):
+        return visible(blocks, b, q, kv, window)
+
+    return mask_mod
+
+
+def flex_attend(blocks: DFlashBlocks, layer_types, sliding_window: int | None):
+    """An ``attend`` running flex attention with a block mask per layer type (CUDA)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, nb = blocks.keep.shape
+    q_len = nb * blocks.block_size
+    device = blocks.keep.device
+    masks = {}
+    for lt in set(layer_types):
+        masks[lt] = create_block_mask(_mask_mod(blocks, _window(lt, sliding_window)), B=b, H=None, Q_LEN=q_len,
+                                      KV_LEN=blocks.ctx_len + q_len, device=device)
+    fn = _flex() if device.type == "cuda" else flex_attention
+
+    def attend(layer_type, q, k, v):
+        if q.is_cuda and q.shape[-1] < 16:
+            raise ConfigError(f"flex attention kernels need head_dim >= 16, the draft has {q.shape[-1]}",
+                              where="draft.attention_backend", fix="use attention_backend: sdpa for this draft")
+        return fn(q, k, v, block_mask=masks[layer_type], scale=q.shape[-1] ** -0.5, enable_gqa=True)
+
+    return attend
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown attention backend {backend!r}", where="draft.attention_backend",
+                          fix=f"use one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    if backend == "flex" and torch.device(device).type != "cuda" and torch.is_grad_enabled():
+        raise ConfigError("flex attention has no CPU backward", where="draft.attention_backend",
+                          fix="use attention_backend: sdpa (or auto) on CPU")
+    return backend
+
+
+class _ChunkedTargetCE(torch.autograd.Function):
+    """Per row: CE of ``hidden @ weight.T`` (fp32 log-softmax over the full vocab) against
+    ``labels``, and the argmax; ``[chunk, V]`` logits at a time, recomputed in backward (only
+    the per-row log-sum-exp is saved). No gradient to ``weight`` (the frozen target head)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk):
+        n = hidden.shape[0]
+        ce = hidden.new_empty(n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        pred = labels.new_empty(n)
+        for s in range(0, n, chunk):
+            logits = (hidden[s : s + chunk].to(weight.dtype) @ weight.T).float()
+            lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
+            ce[s : s + chunk] = lse[s : s + chunk] - logits.gather(1, labels[s : s + chunk, None])[:, 0]
+            pred[s : s + chunk] = logits.argmax(dim=-1)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(pred)
+        return ce, pred
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_pred):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(hidden)
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            e = s + ctx.chunk
+            probs = torch.exp((hidden[s:e].to(weight.dtype) @ weight.T).float() - lse[s:e, None])
+            probs[torch.arange(probs.shape[0], device=probs.device), labels[s:e]] -= 1.0
+            probs *= grad_ce[s:e, None]
+            grad[s:e] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+        return grad, None, None, None
+
+
+def target_cross_entropy(hidden, lm_head_weight, labels, chunk_rows: int = 2048):
+    """``(ce [n] fp32, argmax [n])`` of the target head on ``hidden [n,H]``, chunked (see above)."""
+    return _ChunkedTargetCE.apply(hidden, lm_head_weight.detach(), labels, chunk_rows)
+
+
+def _check_args(draft, block_size, num_anchors, loss_decay_gamma):
+    if block_size != draft.block_size:
+        raise ConfigError(
+            f"the objective's block size {block_size} differs from the draft config's {draft.block_size}",
+            where="draft.dflash.block_size", fix="train with the block size written in the draft config",
+        )
+    if not isinstance(num_anchors, int) or isinstance(num_anchors, bool) or num_anchors < 1:
+        raise ConfigError(f"num_anchors {num_anchors!r}", where="draft.dflash.num_anchors",
+                          fix="set draft.dflash.num_anchors to an integer >= 1 (512 is standard)")
+    if loss_decay_gamma is not None and not (isinstance(loss_decay_gamma, (int, float)) and loss_decay_gamma > 0):
+        raise ConfigError(f"loss_decay_gamma {loss_decay_gamma!r}", where="draft.dflash.loss_decay_gamma",
+                          fix="set draft.dflash.loss_decay_gamma > 0 (7 for B=16, 4 for B=8), or null for no decay")
+
+
+def _check_batch(batch, draft, embed_weight, lm_head_weight):
+    missing = [f for f in REQUIRED_FIELDS if _field(batch, f) is None]
+    if missing:
+        raise ModelError(f"captured batch lacks {missing}", where="captured batch",
+                         fix="capture all of " + ", ".join(REQUIRED_FIELDS))
+    shape = tuple(_field(batch, "input_ids").shape)
+    for name in ("attention_mask", "loss_mask", "position_ids", "seq_ids"):
+        value = _field(batch, name)
+        if value is not None and tuple(value.shape) != shape:
+            raise ModelError(f"{name} shape {tuple(value.shape)} != input_ids {shape}", where=f"captured batch: {name}")
+    if tuple(_field(batch, "aux_hidden").shape[:2]) != shape:
+        raise ModelError(f"aux_hidden shape {tuple(_field(batch, 'aux_hidden').shape)} does not start with {shape}",
+                         where="captured batch: aux_hidden")
+    hidden, vocab = draft.config.hidden_size, draft.config.vocab_size
+    for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+        if tuple(w.shape) != (vocab, hidden):
+            raise ModelError(f"{name} shape {tuple(w.shape)} != (vocab {vocab}, hidden {hidden})", where=name,
+                             fix="pass the frozen target embedding / LM head (the embedding when tied)")
+
+
+def dflash_loss(
+    draft,
+    batch,
+    *,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    block_size: int,
+    num_anchors: int,
+    loss_decay_gamma: float | None,
+    generator: torch.Generator | None,
+    backend: str = "auto",
+    ce_chunk_rows: int = 2048,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(loss, sums)`` of one micro-batch (module docstring): ``loss`` = Σ w·CE, the numerator
+    (fp32 scalar with grad; divide the gradients by the global Σ w, ``sums["weight_sum"]``
+    summed over micro-steps and ranks), ``sums`` the float64 metric sums.
+
+    ``embed_weight`` / ``lm_head_weight``: the target's frozen ``[V, H]`` embedding and head (no
+    gradient reaches them). ``generator`` draws the anchors (``anchor_generator``; None: the
+    global CPU RNG). The draft is used only through its forward (FSDP2-safe); every rank runs
+    that forward even when its batch has no anchor (one padding block), so collectives match.
+    Raises ConfigError for invalid objective settings and ModelError for a malformed batch.
+    """
+    _check_args(draft, block_size, num_anchors, loss_decay_gamma)
+    _check_batch(batch, draft, embed_weight, lm_head_weight)
+    blocks = build_blocks(batch, block_size=block_size, num_anchors=num_anchors,
+                          mask_token_id=draft.mask_token_id, generator=generator)
+    ids, aux = _field(batch, "input_ids"), _field(batch, "aux_hidden")
+    backend = resolve_backend(backend, ids.device)
+    if backend == "sdpa":
+        attend = dense_attend(dense_masks(blocks, draft.layer_types, draft.sliding_window))
+    else:
+        blocks, aux = pad_for_flex(blocks, aux, draft.mask_token_id)
+        attend = flex_attend(blocks, draft.layer_types, draft.sliding_window)
+    b, nb, size = blocks.tokens.shape
+    embeds = F.embedding(blocks.tokens.flatten(1), embed_weight.detach())
+    hidden = draft(embeds, blocks.positions, attend, target_hidden=aux, context_positions=blocks.ctx_pos)
+    k = torch.arange(size, device=ids.device)
+    decay = torch.ones(size, device=ids.device, dtype=torch.float64)
+    if loss_decay_gamma is not None:
+        decay = torch.exp(-(k - 1).clamp(min=0).double() / loss_decay_gamma)
+    weight64 = blocks.valid.double() * decay
+    weight = weight64.float()
+    rows = torch.nonzero(blocks.valid.flatten()).flatten()
+    ce, pred = target_cross_entropy(hidden.flatten(0, 1)[rows], lm_head_weight, blocks.labels.flatten()[rows],
+                                    ce_chunk_rows)
+    loss = (ce * weight.flatten()[rows]).sum()
+    with torch.no_grad():
+        hit = torch.zeros(b * nb * size, dtype=torch.bool, device=ids.device)
+        hit[rows] = pred == blocks.labels.flatten()[rows]
+        hit = hit.view(b, nb, size)
+        ce_grid = torch.zeros(b * nb * size, device=ids.device).index_copy(0, rows, ce.detach()).view(b, nb, size)
+        reach = torch.cumprod(hit[..., 1:].long(), dim=-1).sum((0, 1))
+        sums = {
+            "weight_sum": weight64.sum(),
+            "loss_sum": loss.detach(),
+            "correct": hit[..., 1:].sum((0, 1)),
+            "total": blocks.valid[..., 1:].sum((0, 1)),
+            "ce_sum": ce_grid[..., 1:].sum((0, 1)),
+            "accept_reach": torch.cat([blocks.keep.sum().view(1), reach]),
+        }
+    return loss, {key: value.double() for key, value in sums.items()}
+
+
+def summarize_dflash_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Ratios from (reduced) sums; an empty denominator gives 0.
+
+    ``loss`` (Σ w·CE / Σ w), ``acc`` (pooled over draft positions), per draft position i
+    (0 = the first masked slot): ``acc_i``, ``ce_i`` and ``accept_rate_i`` (P(draft i correct |
+    drafts before it correct), comparable to the evaluator's per-position acceptance),
+    ``simulated_accept_length`` = mean over blocks of (leading correct drafts + 1): tokens per
+    verify pass with the bonus token, the scale of the evaluator's measured acceptance length
+    (at most B), and ``blocks``.
+    """
+    s = {k: v.detach().double().cpu() for k, v in sums.items()}
+
+    def ratio(num, den):
+        return float(num / den) if den > 0 else 0.0
+
+    reach = s["accept_reach"]
+    out = {"loss": ratio(s["loss_sum"], s["weight_sum"]), "acc": ratio(s["correct"].sum(), s["total"].sum())}
+    for i in range(s["correct"].numel()):
+        out[f"acc_{i}"] = ratio(s["correct"][i], s["total"][i])
+        out[f"ce_{i}"] = ratio(s["ce_sum"][i], s["total"][i])
+        out[f"accept_rate_{i}"] = ratio(reach[i + 1], reach[i])
+    out["simulated_accept_length"] = ratio(reach.sum(), reach[0])
+    out["blocks"] = float(reach[0])
+    return out

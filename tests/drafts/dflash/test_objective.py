@@ -1,0 +1,279 @@
+"""The fast DFlash objective equals the slow float64 reference (tests/drafts/dflash/reference.py)
+in float32: the loss, every metric and every gradient within 1e-5, for block sizes 2/4/16, 1-2
+layers, full and sliding layers, padding, and packed rows (which also equal the same samples
+unpacked). Loss and gradients are compared as the weighted mean the trainer applies
+(numerator / Σw); the numerator itself to 1e-6 relative."""
+
+import pytest
+import torch
+
+from specforge_core.drafts.dflash.objective import (
+    anchor_generator,
+    build_blocks,
+    dflash_loss,
+    summarize_dflash_metrics,
+    target_cross_entropy,
+)
+from specforge_core.errors import ConfigError, ModelError
+from tests.drafts.dflash.fixtures import (
+    MASK,
+    packed_batch,
+    random_samples,
+    target_weights,
+    tiny_draft,
+    unpacked_batch,
+)
+from tests.drafts.dflash.reference import reference_dflash
+
+TOL = 1e-5
+SEED = 7
+COUNT_KEYS = ("correct", "total", "accept_reach")
+
+
+def _params(draft):
+    return {n: p.detach().double().clone().requires_grad_() for n, p in draft.named_parameters()}
+
+
+def plant_hits(draft, samples, E, W, num_anchors, gamma, seed):
+    """Set the labels of some leading runs of each block to what the reference draft predicts
+    there, so accuracy and the simulated acceptance see hits, misses and prefixes of several
+    lengths. Only non-anchor tokens change, and a block's predictions depend on its anchor token
+    alone, so the anchors and predictions stay what they were."""
+    with torch.no_grad():
+        ref = reference_dflash(_params(draft), draft.config, samples, E, W, num_anchors=num_anchors, gamma=gamma,
+                               generator=torch.Generator().manual_seed(SEED))
+    g = torch.Generator().manual_seed(seed)
+    size = draft.block_size
+    samples = [dict(s, ids=s["ids"].clone()) for s in samples]
+    for s, anchors in enumerate(ref["anchors"]):
+        fixed = set(anchors)
+        for a in anchors:
+            run = int(torch.randint(size, (1,), generator=g))
+            for k in range(1, run + 1):
+                if a + k < len(samples[s]["ids"]) and a + k not in fixed:
+                    samples[s]["ids"][a + k] = int(ref["logits"][(s, a)][k].argmax())
+                    fixed.add(a + k)
+    return samples
+
+
+def fast(draft, batch, E, W, *, num_anchors, gamma, backend="sdpa", device="cpu", **kw):
+    draft.zero_grad()
+    on = {k: v.to(device) for k, v in batch.items()}
+    loss, sums = dflash_loss(draft.to(device), on, embed_weight=E.to(device), lm_head_weight=W.to(device),
+                             block_size=draft.block_size, num_anchors=num_anchors, loss_decay_gamma=gamma,
+                             generator=torch.Generator().manual_seed(SEED), backend=backend, **kw)
+    loss.backward()
+    draft.cpu()
+    grads = {n: p.grad.detach().double().cpu() for n, p in draft.named_parameters()}
+    return loss.item(), {k: v.cpu() for k, v in sums.items()}, grads
+
+
+def reference(draft, samples, E, W, *, num_anchors, gamma):
+    params = _params(draft)
+    ref = reference_dflash(params, draft.config, samples, E, W, num_anchors=num_anchors, gamma=gamma,
+                           generator=torch.Generator().manual_seed(SEED))
+    ref["loss_sum"].backward()
+    ref["grads"] = {n: p.grad for n, p in params.items()}
+    return ref
+
+
+def differences(fast_out, ref):
+    """Max |Δ| of (loss, metrics, grads) as the trainer sees them, and exact count checks."""
+    loss, sums, grads = fast_out
+    den = float(ref["weight_sum"])
+    ref = dict(ref, loss_sum=ref["loss_sum"].detach())
+    ref_sums = {k: ref[k].detach() for k in ("weight_sum", "loss_sum", "correct", "total", "ce_sum", "accept_reach")}
+    fm, rm = summarize_dflash_metrics(sums), summarize_dflash_metrics(ref_sums)
+    assert fm.keys() == rm.keys()
+    for key in COUNT_KEYS:
+        assert torch.equal(sums[key], ref_sums[key]), (key, sums[key], ref_sums[key])
+    assert abs(loss - float(ref["loss_sum"])) <= 1e-6 * abs(float(ref["loss_sum"]))
+    return {
+        "loss": abs(loss - float(ref["loss_sum"])) / den,
+        "weight_sum": abs(float(sums["weight_sum"]) - den),
+        "metrics": max(abs(fm[k] - rm[k]) for k in rm),
+        "grads": max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads) / den,
+    }
+
+
+def check_sees_hits(ref):
+    hits, total = ref["correct"].sum(), ref["total"].sum()
+    assert 0 < hits < total, (hits, total)
+    assert ref["accept_reach"][2] > 0  # some blocks accept two drafts or more
+
+
+CASES = [
+    dict(block_size=2, num_layers=1, layer_types=None, sliding_window=None, gamma=None),
+    dict(block_size=4, num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=5, gamma=2.0),
+    dict(block_size=16, num_layers=1, layer_types=None, sliding_window=None, gamma=7.0),
+    dict(block_size=16, num_layers=2, layer_types=["full_attention", "sliding_attention"], sliding_window=16,
+         gamma=7.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c['block_size']}-L{c['num_layers']}-W{c['sliding_window']}")
+def test_fast_path_matches_reference_with_padding(case):
+    size = case["block_size"]
+    draft = tiny_draft(seed=size, block_size=size, num_layers=case["num_layers"], layer_types=case["layer_types"],
+                       sliding_window=case["sliding_window"])
+    E, W = target_weights(size)
+    anchors = 3 if size == 16 else 4
+    samples = random_samples(size, [14, 9, 19] if size < 16 else [20, 11])
+    samples = plant_hits(draft, samples, E, W, anchors, case["gamma"], seed=size)
+    ref = reference(draft, samples, E, W, num_anchors=anchors, gamma=case["gamma"])
+    if size > 2:
+        check_sees_hits(ref)
+    diffs = differences(fast(draft, unpacked_batch(samples), E, W, num_anchors=anchors, gamma=case["gamma"]), ref)
+    assert max(diffs.values()) < TOL, diffs
+
+
+def test_packed_rows_equal_the_same_samples_unpacked_and_the_reference():
+    draft = tiny_draft(seed=3, block_size=4, num_layers=2, layer_types=["full_attention", "sliding_attention"],
+                       sliding_window=6)
+    E, W = target_weights(3)
+    samples = plant_hits(draft, random_samples(3, [14, 8, 17, 6, 11], supervised=0.9), E, W, 4, 4.0, seed=3)
+    ref = reference(draft, samples, E, W, num_anchors=4, gamma=4.0)
+    check_sees_hits(ref)
+    unpacked = fast(draft, unpacked_batch(samples), E, W, num_anchors=4, gamma=4.0)
+    packed = fast(draft, packed_batch(samples, [[0, 1, 4], [2], [3]]), E, W, num_anchors=4, gamma=4.0)
+    for out in (unpacked, packed):
+        diffs = differences(out, ref)
+        assert max(diffs.values()) < TOL, diffs
+    assert abs(packed[0] - unpacked[0]) <= 1e-6 * abs(unpacked[0])
+    for key in unpacked[1]:
+        torch.testing.assert_close(packed[1][key], unpacked[1][key], rtol=1e-6, atol=1e-6)
+    for name in unpacked[2]:
+        torch.testing.assert_close(packed[2][name], unpacked[2][name], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_and_unpacked_rows_draw_the_same_anchors_per_sample():
+    samples = random_samples(4, [9, 13, 4, 11])
+    common = dict(block_size=4, num_anchors=3, mask_token_id=MASK)
+    unpacked = build_blocks(unpacked_batch(samples), generator=torch.Generator().manual_seed(1), **common)
+    packed = build_blocks(packed_batch(samples, [[1, 3], [0, 2]]), generator=torch.Generator().manual_seed(1), **common)
+
+    def anchors(blocks):
+        out = {}
+        for s, a, k in zip(blocks.sample.flatten().tolist(), blocks.anchor_pos.flatten().tolist(),
+                           blocks.keep.flatten().tolist()):
+            if k:
+                out.setdefault(s, []).append(a)
+        return out
+
+    got = anchors(unpacked)
+    assert got == anchors(packed)
+    for s, sample in enumerate(samples):
+        lm = sample["lm"].tolist()
+        cands = [p for p in range(len(lm) - 1) if lm[p] and lm[p + 1]]
+        assert got.get(s, []) == sorted(got.get(s, [])) and set(got.get(s, [])) <= set(cands)
+        assert len(got.get(s, [])) == min(3, len(cands))
+
+
+def test_anchor_generator_is_a_pure_function_of_its_coordinates():
+    a = anchor_generator(1, step=5, rank=0, micro_step=2)
+    b = anchor_generator(1, step=5, rank=0, micro_step=2)
+    c = anchor_generator(1, step=5, rank=1, micro_step=2)
+    assert torch.equal(torch.rand(8, generator=a), torch.rand(8, generator=b))
+    assert not torch.equal(torch.rand(8, generator=anchor_generator(1, step=5, rank=0, micro_step=2)),
+                           torch.rand(8, generator=c))
+
+
+def test_chunked_cross_entropy_equals_plain_cross_entropy_and_its_gradient():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(11, 16, generator=g, requires_grad=True)
+    W = torch.randn(40, 16, generator=g)
+    labels = torch.randint(40, (11,), generator=g)
+    coef = torch.rand(11, generator=g)
+    ce, pred = target_cross_entropy(h, W, labels, chunk_rows=3)
+    (ce * coef).sum().backward()
+    grad = h.grad.clone()
+    h.grad = None
+    plain = torch.nn.functional.cross_entropy(h @ W.T, labels, reduction="none")
+    (plain * coef).sum().backward()
+    torch.testing.assert_close(ce, plain)
+    torch.testing.assert_close(grad, h.grad)
+    assert torch.equal(pred, (h @ W.T).argmax(-1))
+
+
+def test_a_batch_without_anchors_has_zero_loss_zero_gradients_and_every_parameter_a_gradient():
+    draft = tiny_draft(seed=5)
+    E, W = target_weights(5)
+    batch = unpacked_batch(random_samples(5, [6, 4]))
+    batch["loss_mask"][:, 1::2] = 0  # no two consecutive supervised tokens
+    loss, sums, grads = fast(draft, batch, E, W, num_anchors=4, gamma=None)
+    assert loss == 0 and float(sums["weight_sum"]) == 0 and float(sums["accept_reach"][0]) == 0
+    assert all(not g.any() for g in grads.values())
+    assert summarize_dflash_metrics(sums)["simulated_accept_length"] == 0
+
+
+def test_sdpa_and_flex_agree_on_cpu_without_gradients():
+    """The flex block mask comes from the same predicate as the dense one (forward only: torch
+    has no CPU flex backward)."""
+    draft = tiny_draft(seed=6, block_size=4, num_layers=2, layer_types=["sliding_attention", "full_attention"],
+                       sliding_window=5)
+    E, W = target_weights(6)
+    batch = packed_batch(random_samples(6, [9, 7, 10]), [[0, 1], [2]])
+    args = dict(embed_weight=E, lm_head_weight=W, block_size=4, num_anchors=3, loss_decay_gamma=3.0)
+    with torch.no_grad():
+        dense, dense_sums = dflash_loss(draft, batch, generator=torch.Generator().manual_seed(2), backend="sdpa",
+                                        **args)
+        flex, flex_sums = dflash_loss(draft, batch, generator=torch.Generator().manual_seed(2), backend="flex",
+                                      **args)
+    assert abs(dense.item() - flex.item()) < 1e-4
+    assert torch.equal(dense_sums["total"], flex_sums["total"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flex attention backward)")
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c['block_size']}-L{c['num_layers']}-W{c['sliding_window']}")
+def test_fast_path_on_cuda_matches_reference_on_packed_rows(case, backend):
+    size = case["block_size"]
+    draft = tiny_draft(seed=size, block_size=size, num_layers=case["num_layers"], layer_types=case["layer_types"],
+                       sliding_window=case["sliding_window"])
+    E, W = target_weights(size)
+    samples = plant_hits(draft, random_samples(size, [14, 9, 19]), E, W, 3, case["gamma"], seed=size)
+    ref = reference(draft, samples, E, W, num_anchors=3, gamma=case["gamma"])
+    out = fast(draft, packed_batch(samples, [[0, 1], [2]]), E, W, num_anchors=3, gamma=case["gamma"],
+               backend=backend, device="cuda")
+    diffs = differences(out, ref)
+    assert max(diffs.values()) < TOL, diffs
+
+
+@pytest.mark.parametrize(
+    "kwargs, where",
+    [
+        (dict(block_size=8), "draft.dflash.block_size"),
+        (dict(num_anchors=0), "draft.dflash.num_anchors"),
+        (dict(loss_decay_gamma=-1.0), "draft.dflash.loss_decay_gamma"),
+        (dict(backend="eager"), "draft.attention_backend"),
+    ],
+)
+def test_invalid_objective_settings_are_refused_naming_the_field(kwargs, where):
+    draft = tiny_draft()
+    E, W = target_weights(0)
+    args = dict(embed_weight=E, lm_head_weight=W, block_size=4, num_anchors=4, loss_decay_gamma=7.0,
+                generator=None) | kwargs
+    with pytest.raises(ConfigError) as err:
+        dflash_loss(draft, unpacked_batch(random_samples(0, [6])), **args)
+    assert err.value.where == where
+
+
+@pytest.mark.parametrize(
+    "corrupt, where",
+    [
+        (lambda b: b.pop("aux_hidden"), "captured batch"),
+        (lambda b: b.update(aux_hidden=b["aux_hidden"][..., :-1]), "captured batch: aux_hidden"),
+        (lambda b: b["position_ids"].add_(1), "captured batch: position_ids"),
+        (lambda b: b["seq_ids"][0, 1].fill_(1), "captured batch: seq_ids"),
+    ],
+    ids=["missing-aux", "aux-width", "positions", "split-sample"],
+)
+def test_malformed_batches_are_refused_naming_the_field(corrupt, where):
+    draft = tiny_draft()
+    E, W = target_weights(0)
+    batch = packed_batch(random_samples(0, [5, 4]), [[0, 1]])
+    corrupt(batch)
+    with pytest.raises(ModelError) as err:
+        dflash_loss(draft, batch, embed_weight=E, lm_head_weight=W, block_size=4, num_anchors=4,
+                    loss_decay_gamma=7.0, generator=None)
+    assert err.value.where == where
