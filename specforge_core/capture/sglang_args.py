@@ -56,6 +56,8 @@ class SGLangEngineArgs:
             "max_total_tokens": s.max_total_tokens or island_batch * cfg.data.max_length,
             "chunked_prefill_size": -1,
             "disable_cuda_graph": True,
+            "page_size": 1,  # one KV slot per token: what the capture's allocation assumes
+            "sampling_backend": "pytorch",  # nothing is sampled; avoids loading flashinfer's sampler
             "disable_radix_cache": s.disable_radix_cache,
             "enable_return_hidden_states": True,
             "random_seed": t.seed,

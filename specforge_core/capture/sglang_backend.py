@@ -1,25 +1,34 @@
 """The ``sglang`` capture backend: an in-process SGLang engine per rank, one TP group per island.
 
-    engine = ModelRunnerEngine.start(args, layer_ids, tp_rank=..., gpu_id=...)   # GPU nodes
-    engine = FakeSGLangEngine(model_dir, layer_ids, tp_rank=..., tp_size=...)    # CPU tests
+    engine = ModelRunnerEngine.start(args, layer_ids, place=place, device=dev, islands=topology.islands())
+    engine = FakeSGLangEngine.start(args, layer_ids, place=place, device=cpu, islands=...)   # CPU tests
     backend = SGLangCaptureBackend(engine, target_config, embed, lm_head)
 
 This module holds no SGLang code. It speaks to an engine through :class:`CaptureEngine`, the
 contract that the real engine (``sglang_engine.py``, the one version-pinned SGLang seam) and the
-fake (``fake_engine.py``) both honour:
+fake (``fixtures/fake_sglang.py``) both honour:
 
+- ``start`` is called by every rank of the world at the same point (SGLang builds every island's
+  process groups collectively); ``islands`` lists each island's ranks, ``place`` is this rank's;
 - ``capture(input_ids, local)`` is called by every TP peer of an island with the same TP-wide
-  rows (it is a collective over the island's TP group);
+  rows, in lockstep (a collective over the island's TP group: :func:`check_lockstep` makes peers
+  that disagree fail instead of hanging in the target's all-reduce);
+- it refuses, before any target work, what SGLang cannot run (:func:`check_engine_request`: a
+  row longer than the context, more rows or tokens than the pools hold) and a layer id SGLang
+  would silently skip (:func:`check_layer_ids`);
 - it returns a :class:`PackedCapture` of the rows in ``local`` only, packed without padding
-  (``aux [Σℓ, 3·Ht]``, ``last [Σℓ, Ht]``, ``lengths``), in the row order of ``local``;
+  (``aux [Σℓ, K·Ht]`` in the order of ``layer_ids``, ``last [Σℓ, Ht]``, ``lengths``), in the row
+  order of ``local``;
 - the tensors may be views into the engine's TP-wide output buffer: this backend copies them
   into a padded (or, with ``request.token_budget``, packed) :class:`CapturedBatch`, so that buffer
   is released when ``capture`` returns.
 
-The head weights come from the checkpoint (``target.load_target_head``), not from the engine,
-whose LM head is sharded across the TP group.
+The head weights come from the checkpoint (``target_info.load_target_head``), not from the
+engine, whose LM head is sharded across the TP group.
 """
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,7 +45,7 @@ from specforge_core.errors import CaptureError
 class PackedCapture:
     """An engine's output for this rank's rows: token-packed, no padding."""
 
-    aux: torch.Tensor  # [Σ lengths, 3·Ht]
+    aux: torch.Tensor  # [Σ lengths, K·Ht]
     last: torch.Tensor  # [Σ lengths, Ht]
     lengths: list[int]
 
@@ -52,6 +61,70 @@ class CaptureEngine(Protocol):
     def capture(self, input_ids: Sequence[Sequence[int]], local: slice) -> PackedCapture: ...
 
     def shutdown(self) -> None: ...
+
+
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int, *, where: str = "capture layer ids") -> None:
+    """SGLang captures the input of layer ``id + 1`` (= the output of layer ``id``), in ascending layer
+    order, duplicates merged; ``id + 1 == num_layers`` never fires and is dropped without a word.
+    So: distinct ids in ``[0, num_layers - 2]``."""
+    ids = list(layer_ids)
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > num_layers - 2:
+        raise CaptureError(
+            f"layer ids {ids} cannot be captured by SGLang for a {num_layers}-layer target: it captures layer "
+            f"inputs, so ids must be distinct and in [0, {num_layers - 2}] (the last layer's output is the final "
+            "hidden, never an aux state)",
+            where=where,
+            fix=f"choose capture layers below {num_layers - 1} (model.capture_layer_ids, draft.dflash.target_layer_ids)",
+        )
+
+
+def check_engine_request(input_ids: Sequence[Sequence[int]], *, context_len: int, max_rows: int, max_tokens: int,
+                         where: str) -> None:
+    """Refuse a TP-wide batch SGLang's pools cannot hold: SGLang itself checks rows and tokens only
+    after allocating some, and never checks a row against the context (its write kernel would
+    run past the request table)."""
+    lengths = [len(r) for r in input_ids]
+    if not lengths or min(lengths) < 1:
+        raise CaptureError("an empty row in the capture request", where=where, fix="drop empty samples from the data")
+    if max(lengths) > context_len:
+        raise CaptureError(
+            f"a row of {max(lengths)} tokens exceeds the engine's context of {context_len}", where=where,
+            fix="raise capture.sglang.context_length to at least data.max_length (or remove it)",
+        )
+    if len(lengths) > max_rows:
+        raise CaptureError(
+            f"{len(lengths)} rows exceed the engine's {max_rows} request slots", where=where,
+            fix=f"raise capture.sglang.max_running_requests to ≥ {len(lengths)} (or remove it), "
+            "or capture.sglang.mem_fraction_static if SGLang shrank it",
+        )
+    if sum(lengths) > max_tokens:
+        raise CaptureError(
+            f"{sum(lengths)} tokens exceed the engine's KV pool of {max_tokens}", where=where,
+            fix=f"raise capture.sglang.max_total_tokens to ≥ {sum(lengths)} (or remove it), "
+            "or capture.sglang.mem_fraction_static if SGLang shrank it",
+        )
+
+
+def request_digest(input_ids: Sequence[Sequence[int]]) -> str:
+    return hashlib.sha256(json.dumps([list(map(int, r)) for r in input_ids]).encode()).hexdigest()[:16]
+
+
+def check_lockstep(group, input_ids: Sequence[Sequence[int]], *, where: str) -> None:
+    """Every TP peer must capture the same TP-wide rows at the same time: compare a digest over the
+    island's (CPU) process group. Peers that disagree fail here, naming each peer's digest,
+    instead of hanging or computing garbage in the target's TP all-reduce."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    mine = request_digest(input_ids)
+    seen: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, mine, group=group)
+    if len(set(seen)) != 1:
+        raise CaptureError(
+            f"the island's TP peers were asked to capture different batches (digests {seen})", where=where,
+            fix="every TP peer of an island must take the same TP-wide batch from the plan (a bug: report it)",
+        )
 
 
 class SGLangCaptureBackend:

@@ -183,8 +183,8 @@ class TrainingConfig(_Section):
 SGLANG_RESOLVED_FIELDS = (
     "model_path", "dtype", "trust_remote_code", "skip_tokenizer_init", "tp_size", "pp_size", "dp_size",
     "ep_size", "mem_fraction_static", "attention_backend", "context_length", "max_running_requests",
-    "max_total_tokens", "chunked_prefill_size", "disable_cuda_graph", "disable_radix_cache",
-    "enable_return_hidden_states", "random_seed",
+    "max_total_tokens", "chunked_prefill_size", "disable_cuda_graph", "page_size", "sampling_backend",
+    "disable_radix_cache", "enable_return_hidden_states", "random_seed",
 )
 
 

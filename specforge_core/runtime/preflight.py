@@ -15,7 +15,8 @@ embedding (``len(tokenizer) ≤ V``); for a family with a draft vocabulary (EAGL
 ``check_run_inputs`` adds: the colocated rules that need the target config
 (:func:`~specforge_core.capture.target_info.validate_colocated`: context headroom, plain logits, TP
 heads); the family's capture layer ids inside the target; a ``draft.config_path`` that fits the
-target and the run (the family's own check).
+target and the run (the family's own check); the draft config the run will train, generated and
+checked; for ``capture.backend=sglang``: layer ids SGLang can capture, a GPU and the pinned SGLang.
 """
 
 from dataclasses import dataclass
@@ -35,6 +36,22 @@ class CheckedInputs:
     family: Any = None  # the run's draft family (specforge_core.drafts)
     draft_config: Any | None = None  # the draft's config: draft.config_path, or generated for the target
     layer_ids: tuple[int, ...] = ()  # the target layers the draft reads
+
+
+def check_sglang_node(cfg, target_config, layer_ids) -> None:
+    """The in-process SGLang engine can run here: capturable layer ids, a GPU, the pinned SGLang."""
+    from specforge_core.capture.sglang_backend import check_layer_ids
+    from specforge_core.capture.sglang_engine import require_sglang
+    from specforge_core.errors import ConfigError
+
+    where = "draft.dflash.target_layer_ids" if cfg.draft.family == "dflash" else "model.capture_layer_ids"
+    check_layer_ids(layer_ids, text_config(target_config).num_hidden_layers, where=where)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("capture.backend=sglang needs a CUDA GPU and none is visible", where="capture.backend",
+                          fix="run on a GPU node, or set capture.backend=hf")
+    require_sglang()
 
 
 def check_tokenizer_fits(cfg, tokenizer, V: int) -> None:
@@ -80,6 +97,8 @@ def check_run_inputs(cfg) -> CheckedInputs:
     inputs.layer_ids = tuple(family.capture_layer_ids(cfg, inputs.target_config, given))
     if given is not None:
         family.check_draft_config(cfg, given, inputs.target_config, inputs.vocab_size)
+    if cfg.capture.backend == "sglang":
+        check_sglang_node(cfg, inputs.target_config, inputs.layer_ids)
     # the draft config the run will train (given, or generated from the target: its checks run here)
     inputs.draft_config = family.draft_config(cfg, inputs.target_config, inputs.layer_ids, tokenizer=inputs.tokenizer)
     return inputs

@@ -54,6 +54,7 @@ def hf_backend(tiny_qwen3_dir):
 def sglang_backend(tiny_target_dir):
     cfg = load_config(None, [
         f"model.target={tiny_target_dir}", "capture.backend=sglang", "data.max_length=256", "model.dtype=float32",
+        "training.batch_size=8",
     ])
     return build_capture_backend(cfg, engine_factory=FakeSGLangEngine.start)
 
@@ -157,7 +158,8 @@ def test_a_packed_batch_counts_its_samples_not_its_rows(hf_backend):
 def test_k_layers_without_the_final_hidden_are_captured_packed_or_not(backend_name, tiny_target_dir):
     ids = (1, 2, 4, 5, 6)
     cfg = load_config(None, [f"model.target={tiny_target_dir}", f"capture.backend={backend_name}",
-                             "data.max_length=256", "model.dtype=float32", "draft.family=dflash"])
+                             "data.max_length=256", "model.dtype=float32", "draft.family=dflash",
+                             "training.batch_size=4"])
     backend = build_capture_backend(cfg, layer_ids=ids, last_hidden=False, engine_factory=FakeSGLangEngine.start)
     request = make_request([9, 5, 7, 3], local=slice(0, 4))
     plain, pack = backend.capture(request), backend.capture(packed(request, token_budget=16))

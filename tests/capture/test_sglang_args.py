@@ -36,7 +36,7 @@ def test_argv_and_kwargs_views_agree():
 
 
 def test_argv_and_kwargs_agree_with_extra_fields_lists_and_flags():
-    args = resolve("capture.sglang.extra={enable_torch_compile: true, cuda_graph_bs: [1, 2], page_size: 16}")
+    args = resolve("capture.sglang.extra={enable_torch_compile: true, cuda_graph_bs: [1, 2], max_prefill_tokens: 16384}")
     assert parse_argv(args.argv()) == as_cli_strings(args.kwargs())
     assert args.kwargs()["cuda_graph_bs"] == [1, 2] and "--enable-torch-compile" in args.argv()
 

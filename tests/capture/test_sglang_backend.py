@@ -16,7 +16,7 @@ from .conftest import make_request
 def sglang_config(model_dir, *overrides):
     return load_config(None, [
         f"model.target={model_dir}", "capture.backend=sglang", "capture.device=auto", "data.max_length=256",
-        "model.dtype=float32", *overrides,
+        "model.dtype=float32", "training.batch_size=4", *overrides,
     ])
 
 

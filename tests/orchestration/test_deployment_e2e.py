@@ -128,7 +128,7 @@ def test_after_a_crash_a_retry_with_a_changed_plan_is_refused_and_a_plain_retry_
     state = _wait_state(client, flow_run_id, {"Completed", "Failed", "Crashed"}, timeout=600)
     assert state.name == "Failed"
     refusals = [m for m in _logs(client, flow_run_id) if "different prompt plan" in m]
-    assert refusals and "batch_size: checkpoint=2 now=1" in refusals[0]
+    assert refusals and "batch_size: checkpoint=2 run=1" in refusals[0]
 
     # 2. The run's own parameters: data stages Cached, training resumes after the checkpoint.
     client.update_flow_run(flow_run_id, parameters={"config": slow_tiny})

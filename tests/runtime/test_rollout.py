@@ -45,7 +45,7 @@ def backends(tiny_target_dir):
     """sglang backends on the fake engine for TP ranks 0 and 1 of a tp_size=2 island."""
     cfg = load_config(None, [
         f"model.target={tiny_target_dir}", "capture.backend=sglang", "data.max_length=256", "model.dtype=float32",
-        "capture.tp_size=2", "deployment.nproc_per_node=2",
+        "capture.tp_size=2", "deployment.nproc_per_node=2", "training.batch_size=2",
     ])
     return [build_capture_backend(cfg, rank=r, engine_factory=FakeSGLangEngine.start) for r in range(2)]
 

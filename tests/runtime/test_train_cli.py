@@ -7,10 +7,8 @@ FSDP2 over gloo.
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -96,18 +94,15 @@ def test_torchrun_trains_and_checkpoints_on_each_topology(workdir, tiny_target_d
 # --- a killed run, resumed ----------------------------------------------------------------------
 
 
-def _kill_after_checkpoint(config: Path, nproc: int, step: int) -> None:
-    """Start the run and SIGKILL its whole process tree once checkpoint ``step`` is announced."""
-    proc = torchrun(config, nproc)
-    announced = f"checkpoint step-{step:08d} saved"
-    deadline = time.monotonic() + 240
-    for line in proc.stdout:
-        if announced in line:
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-        assert time.monotonic() < deadline, "the run did not reach its checkpoint in time"
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+def _kill_before_checkpoint(config: Path, nproc: int, step: int) -> None:
+    """Run to the end, but SIGKILL rank 0 just before it publishes checkpoint ``step`` (the rename that
+    commits it): every earlier checkpoint is whole, this one torn, whatever the machine's speed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
+           "CRASH_ON": f"rename:/checkpoints/step-{step:08d}", "CRASH_RANK": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "tests" / "reliability" / "crashpoint.py"), "specforge_core.train", "--config", str(config)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0, "the run ended before it could be killed"
 
 
 N = 2  # the killed run is checkpointed at step N and killed; both runs train 2N steps
@@ -131,7 +126,7 @@ def test_killed_run_resumes_to_identical_losses_and_bit_identical_weights(workdi
     name = f"killed-{family}"
     killed = write_config(workdir, name, tiny_target_dir, draft=FAMILIES[family],
                           training={"max_steps": 2 * N, "save_interval": N}, deployment={"nproc_per_node": 2})
-    _kill_after_checkpoint(killed, 2, step=N)
+    _kill_before_checkpoint(killed, 2, step=2 * N)
     assert latest_checkpoint(workdir / name).name == f"step-{N:08d}"
     out = run_to_end(killed, 2)
     assert f"resumed from {checkpoints_dir(workdir / name) / f'step-{N:08d}'}" in out
