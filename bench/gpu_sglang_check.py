@@ -226,7 +226,8 @@ def prepare(gpu_dir: Path) -> None:
     cfg = {
         "model": {"target": str(rel / "tiny-llama"), "dtype": "bfloat16"},
         "data": {"train_files": [str(rel / "chat.jsonl")], "max_length": 256, "cache_dir": str(rel / "cache")},
-        "draft": {"draft_vocab_size": 256},
+        # sdpa: no flex-attention compile in each of the two launches (the check is the capture, not speed)
+        "draft": {"draft_vocab_size": 256, "attention_backend": "sdpa"},
         "training": {"max_steps": 20, "batch_size": 8, "learning_rate": 1e-3, "warmup_ratio": 0.0, "ttt_length": 3,
                      "log_interval": 1, "save_interval": 10, "token_budget": 2048},
         "capture": {"backend": "sglang", "device": "cuda",
