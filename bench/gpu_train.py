@@ -19,7 +19,11 @@ Phases (``--phases``, default all):
 - ``train``: the end-to-end loop (stream → objective → backward → optimizer), steady-state
   tokens/s and samples/s, capture share, padding, peak memory, peak staged features, seconds from
   launch to the first optimizer step;
-- ``peer``: SpecForge 0.2.0's draft step on the same dense shapes as ``draft``.
+- ``peer``: SpecForge 0.2.0's draft step on the same dense shapes as ``draft`` (EAGLE3 only).
+
+``--family dflash`` times the DFlash family instead (``--dflash-layers`` captured layers and draft
+layers, block ``--dflash-block``): capture without the final hidden, the DFlash objective, the
+same builder; its peer (SpecForge 0.2.0's ``dflash_family_model.py``) is not wired yet.
 
 Every figure is printed as one ``key=value`` line and written to ``DIR/results.json``; the last
 line is ``vs_peer=<x>``: our end-to-end tokens/s over the serial combination of plain capture
@@ -204,7 +208,9 @@ def run_config(args, *, compile_pointwise: bool = False):
         f"training.seed={args.seed}", f"training.ttt_length={args.ttt_length}", "training.ploss_decay=0.8",
         f"draft.draft_vocab_size={args.vocab_d}", "training.param_dtype=bfloat16", "training.learning_rate=1e-4",
         "training.warmup_ratio=0.015", "training.max_grad_norm=0.5", f"training.compile={compile_pointwise}",
-        f"capture.device={'cuda' if args.device.type == 'cuda' else 'cpu'}",
+        f"capture.device={'cuda' if args.device.type == 'cuda' else 'cpu'}", f"draft.family={args.family}",
+        f"draft.dflash.num_layers={args.dflash_layers}", f"draft.dflash.block_size={args.dflash_block}",
+        f"draft.dflash.mask_token_id={args.dflash_mask}",
     ])
 
 
@@ -238,12 +244,17 @@ class TrainLoop:
         draft = build_draft(cfg, family, backend, random_vocab(args, backend.vocab_size))
         objective, _ = build_objective(cfg, family, backend)
         self.root, self.optimizer = build_step(cfg, d, draft, objective, total_steps=total_steps, accumulation_steps=1)
+        self.d, self.loss_is_sum = d, family.loss_is_sum
 
     def step(self, batch) -> None:
+        from specforge_core.runtime.trainer import sum_loss_grad_scale
+
         loss, sums = self.root(batch)
         self.optimizer.backward(loss)
+        # as the trainer does for a summed loss (DFlash): divide by the global weight
+        scale = sum_loss_grad_scale(self.d, float(sums["weight_sum"]), 1) if self.loss_is_sum else None
         del loss, sums
-        self.optimizer.step()
+        self.optimizer.step(scale)
 
 
 def dense_batch(args, backend, b, t):
@@ -252,10 +263,12 @@ def dense_batch(args, backend, b, t):
     h, v = backend.hidden_size, backend.vocab_size
     d = args.device
     ones = torch.ones(b, t, dtype=torch.long, device=d)
+    k = len(backend.layer_ids)
     return CapturedBatch(
         input_ids=torch.randint(3, v, (b, t), device=d), attention_mask=ones, loss_mask=ones.clone(),
-        aux_hidden=torch.randn(b, t, 3 * h, device=d, dtype=torch.bfloat16),
-        last_hidden=torch.randn(b, t, h, device=d, dtype=torch.bfloat16),
+        aux_hidden=torch.randn(b, t, k * h, device=d, dtype=torch.bfloat16),
+        last_hidden=torch.randn(b, t, h, device=d, dtype=torch.bfloat16) if args.family == "eagle3" else None,
+        task_ids=tuple(f"dense-{i}" for i in range(b)),
     )
 
 
@@ -350,6 +363,10 @@ def parse_args(argv=None):
     p.add_argument("--capture-variants", default="eager,compile", help="compile: also the target's norms/MLPs")
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", default="eagle3", choices=["eagle3", "dflash"], help="the draft family to time")
+    p.add_argument("--dflash-layers", type=int, default=5, help="DFlash draft layers (= captured target layers)")
+    p.add_argument("--dflash-block", type=int, default=16)
+    p.add_argument("--dflash-mask", type=int, default=151669, help="DFlash mask token id (Qwen3's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
@@ -369,6 +386,11 @@ def build_backend(args):
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=4096,
                                   max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1e6)
     model = ref.build_random_target(args.shape, device=str(args.device))
+    if args.family == "dflash":
+        from specforge_core.drafts import get_family
+
+        layer_ids = get_family("dflash").capture_layer_ids(run_config(args), model.config)
+        return HFCaptureBackend(model, layer_ids, keep_last_hidden=False)
     return HFCaptureBackend(model, default_capture_layers(model.config.num_hidden_layers))
 
 
@@ -415,6 +437,8 @@ def main(argv=None) -> None:
         steps.append((f"train_{variant}", lambda v=variant: phase_train(args, backend, rows, v)))
     if "compiled" not in args.draft_variants:
         steps.append(("peer", lambda: phase_peer(args)))
+    if args.family != "eagle3":  # the peer step is EAGLE3's
+        steps = [(n, f) for n, f in steps if n != "peer"]
     for name, fn in steps:
         if name.split("_")[0] in args.phases:
             run_phase(name, fn, args)
