@@ -65,6 +65,10 @@ class ModelConfig(_Section):
         return v
 
 
+# Template variables the renderer sets itself (data/tokenize.py); data.chat_template_kwargs may not set them.
+CHAT_TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
+
+
 class DataConfig(_Section):
     """Conversations in, tokenized prompt cache out."""
 
@@ -89,11 +93,24 @@ class DataConfig(_Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec storage options (credentials are never logged)."
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra variables for the chat template, e.g. {enable_thinking: false} "
+        "for Qwen3; used alike for training data, regenerated answers and evaluation prompts."
+    )
 
     @field_validator("train_files", "eval_files", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_renderers_own(cls, v: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(v) & set(CHAT_TEMPLATE_RESERVED))
+        if owned:
+            raise ValueError(f"sets {', '.join(owned)}, which the renderer passes itself; remove "
+                             f"{'them' if len(owned) > 1 else 'it'} (other keys reach the template unchanged)")
+        return v
 
 
 class DFlashSection(_Section):
