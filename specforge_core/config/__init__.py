@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from specforge_core.errors import ConfigError
 
@@ -283,6 +283,24 @@ class OutputConfig(_Section):
     )
 
 
+class BenchmarkSetting(_Section):
+    """One row of the benchmark table: SGLang's ``--speculative-num-steps``, ``--speculative-eagle-topk``
+    and ``--speculative-num-draft-tokens``."""
+
+    steps: int = Field(ge=1, description="Draft steps per verify round.")
+    topk: int = Field(1, ge=1, description="Branches per draft step; 1 = chain drafting.")
+    draft_tokens: int = Field(ge=2, description="Tokens the target verifies per round, the pending one included.")
+
+    @model_validator(mode="after")
+    def _chain_verifies_every_step(self) -> "BenchmarkSetting":
+        if self.topk == 1 and self.draft_tokens != self.steps + 1:
+            raise ValueError(
+                f"steps={self.steps}, topk=1, draft_tokens={self.draft_tokens}: a chain verifies the pending "
+                f"token and its {self.steps} drafts, so draft_tokens must be {self.steps + 1} (SGLang's rule)"
+            )
+        return self
+
+
 class ValidationConfig(_Section):
     enabled: bool = True
     num_steps: int | None = Field(
@@ -295,6 +313,31 @@ class ValidationConfig(_Section):
         0.0, ge=0, description="Promote a new draft only if acceptance length beats the promoted one by this."
     )
     promoted_dir: str | None = Field(None, description="Where the promoted draft lives (scheduled retraining).")
+    benchmarks: list[str] = Field(
+        default_factory=list, description="Prompt sets of the benchmark table: mt-bench, humaneval, sharegpt "
+        "(its held-out split) or a prompts file; empty: no table (docs/validation.md)."
+    )
+    settings: list[BenchmarkSetting] = Field(
+        default_factory=lambda: [BenchmarkSetting(steps=3, topk=1, draft_tokens=4),
+                                 BenchmarkSetting(steps=7, topk=1, draft_tokens=8)],
+        min_length=1, description="The table's rows per benchmark (steps, topk, draft tokens).",
+    )
+    benchmark_prompts: int | None = Field(
+        None, ge=1, description="Decode the first N prompts of each benchmark; none: all of them."
+    )
+    promote_on: str | None = Field(
+        None, description="A benchmark of validation.benchmarks: promotion compares its pooled acceptance "
+        "length at the first setting instead of the held-out figure."
+    )
+
+    @field_validator("promote_on")
+    @classmethod
+    def _a_measured_benchmark(cls, v: str | None, info: ValidationInfo) -> str | None:
+        benchmarks = info.data.get("benchmarks", [])
+        if v is not None and v not in benchmarks:
+            raise ValueError(f"{v!r} is not one of validation.benchmarks {benchmarks}: add it there, "
+                             "or remove promote_on to promote on the held-out figure")
+        return v
 
 
 class RunConfig(_Section):

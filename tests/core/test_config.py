@@ -125,3 +125,10 @@ def test_chat_template_kwargs_may_not_set_what_the_renderer_sets():
         load_config(None, ["data.chat_template_kwargs={add_generation_prompt: true, enable_thinking: false}"])
     cfg = load_config(None, ["data.chat_template_kwargs={enable_thinking: false}"])
     assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_promote_on_must_name_a_measured_benchmark():
+    with pytest.raises(ConfigError, match=r"validation.promote_on: 'mt-bench' is not one of validation.benchmarks \['humaneval'\]"):
+        load_config(None, ["validation.benchmarks=[humaneval]", "validation.promote_on=mt-bench"])
+    cfg = load_config(None, ["validation.benchmarks=[mt-bench, humaneval]", "validation.promote_on=mt-bench"])
+    assert [(s.steps, s.topk, s.draft_tokens) for s in cfg.validation.settings] == [(3, 1, 4), (7, 1, 8)]
