@@ -210,3 +210,35 @@ def test_an_unknown_benchmark_is_refused_before_the_target_loads(run, tmp_path, 
     code = main(["--config", str(cfg_path), "--draft", str(root / "run"), "--benchmarks", "mt-bench,gsm8k"])
     err = capsys.readouterr().err
     assert code == 2 and "'gsm8k' is neither a prompt set nor a file" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# The real check's command (docs/validation.md, "Benchmark table on SmolLM2"), on the tiny target
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_the_real_check_command_runs_every_packaged_set_at_the_default_settings(family, tiny_target_dir, tmp_path,
+                                                                                capsys):
+    from specforge_core.drafts.dflash.config import dflash_config_from_target
+    from specforge_core.drafts.dflash.model import DFlashDraftModel
+    from specforge_core.drafts.dflash.serving import export_dflash
+
+    torch.manual_seed(0)
+    target_config = AutoConfig.from_pretrained(tiny_target_dir)
+    if family == "eagle3":
+        export_draft(Eagle3DraftModel(draft_config_from_target(target_config, 512)), tmp_path / "draft")
+    else:
+        config = dflash_config_from_target(target_config, block_size=8, target_layer_ids=[1, 4], mask_token_id=0)
+        export_dflash(DFlashDraftModel(config), tmp_path / "draft")
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(json.dumps({"model": {"target": str(tiny_target_dir)}, "output": {"dir": str(tmp_path)}}))
+    code = main(["--config", str(cfg_path), "--draft", str(tmp_path / "draft"),
+                 "--benchmarks", "mt-bench,humaneval,sharegpt", "--limit", "1", "--max-new-tokens", "4"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["draft_family"] == family
+    assert {name: b["prompts"] for name, b in result["benchmarks"].items()} == {
+        "mt-bench": 1, "humaneval": 1, "sharegpt": 1}
+    for b in result["benchmarks"].values():
+        assert [(s["steps"], s["topk"], s["draft_tokens"]) for s in b["settings"]] == [(3, 1, 4), (7, 1, 8)]
+        assert all(s["differing_prompts"] == [] for s in b["settings"])
+    assert (tmp_path / "benchmarks.md").read_text().count("| mt-bench | ") == 3  # two settings + its time row
