@@ -1,15 +1,18 @@
 """Gated promotion for scheduled retraining: the new draft replaces the promoted one only if it is better.
 
     decision = promotion_decision(new=1.42, promoted=1.38, margin=0.02)   # pure
+    figure = compared_figure(report, promote_on="mt-bench")                # pure: what is compared
     promote(config, report)                                                # the Prefect task
 
-The rule: promote when there is no promoted draft yet, or when the new draft's measured acceptance
-length is more than the promoted draft's plus ``validation.promote_margin``. Both numbers come
-from the same validate run (same held-out prompts, same target, same decoding settings), so they
-compare like with like. The promoted directory is replaced by a copy of the exported draft plus
-``promotion.json`` (where it came from, its acceptance length), swapped in with renames so a
-reader never sees a half-copied draft. The decision, promoted or not, is the
-``promotion-decision`` artifact.
+The rule: promote when there is no promoted draft yet, or when the new draft's figure is more than
+the promoted draft's plus ``validation.promote_margin``. The figure is the measured acceptance
+length on the held-out prompts, or with ``validation.promote_on`` that benchmark's pooled
+acceptance length at the first of ``validation.settings``. Both numbers come from the same
+validate run (same prompts, same target, same decoding settings), so they compare like with like;
+a new draft without a figure (nothing was decoded) is not promoted. The promoted directory is
+replaced by a copy of the exported draft plus ``promotion.json`` (where it came from, what was
+compared and its value), swapped in with renames so a reader never sees a half-copied draft. The
+decision, promoted or not, is the ``promotion-decision`` artifact.
 """
 
 import json
@@ -31,12 +34,40 @@ RECORD = "promotion.json"
 class PromotionDecision:
     promote: bool
     reason: str
-    new: float
+    new: float | None
     promoted: float | None
     margin: float
 
 
-def promotion_decision(new: float, promoted: float | None, margin: float) -> PromotionDecision:
+@dataclass(frozen=True)
+class ComparedFigure:
+    """What promotion compares: its name, the new draft's value and the promoted draft's (None: none measured)."""
+
+    name: str
+    new: float | None
+    promoted: float | None
+
+
+def compared_figure(report: dict, promote_on: str | None) -> ComparedFigure:
+    """The held-out acceptance lengths of the validate ``report``, or with ``promote_on`` that
+    benchmark's pooled acceptance length at the first setting (``report["benchmarks"]`` and
+    ``report["benchmarks_promoted"]``)."""
+    if promote_on is None:
+        return ComparedFigure("held-out acceptance length", report["acceptance_length"],
+                              report.get("acceptance_length_promoted"))
+    first = report["benchmarks"][promote_on]["settings"][0]
+    promoted = report.get("benchmarks_promoted")
+    return ComparedFigure(
+        f"{promote_on} acceptance length at {first['steps']},{first['topk']},{first['draft_tokens']}",
+        first["acceptance_length"],
+        None if promoted is None else promoted[promote_on]["settings"][0]["acceptance_length"],
+    )
+
+
+def promotion_decision(new: float | None, promoted: float | None, margin: float) -> PromotionDecision:
+    if new is None:
+        return PromotionDecision(False, "the new draft has no measured figure (nothing was decoded): "
+                                 "keeping the promoted draft", new, promoted, margin)
     if promoted is None:
         return PromotionDecision(True, "no promoted draft yet", new, None, margin)
     if new > promoted + margin:
@@ -67,14 +98,16 @@ def promoted_record(promoted_dir: str | Path | None) -> dict | None:
 
 @task(name="promote", cache_policy=NO_CACHE)
 def promote(config: RunConfig, report: dict) -> dict:
-    """Promote the validated draft if its measured acceptance length beats the promoted one by the margin."""
+    """Promote the validated draft if its figure (held-out, or ``validation.promote_on``'s) beats the
+    promoted one's by the margin."""
     promoted_dir = Path(config.validation.promoted_dir)
-    decision = promotion_decision(report["acceptance_length"], report.get("acceptance_length_promoted"),
-                                  config.validation.promote_margin)
+    figure = compared_figure(report, config.validation.promote_on)
+    decision = promotion_decision(figure.new, figure.promoted, config.validation.promote_margin)
     if decision.promote:
         install_draft(Path(report["draft_dir"]), promoted_dir, {
             "source_draft": report["draft_dir"], "run_dir": report["run_dir"],
-            "acceptance_length": decision.new, "replaced_acceptance_length": decision.promoted,
+            "acceptance_length": report["acceptance_length"], "compared": figure.name,
+            "value": decision.new, "replaced_value": decision.promoted,
             "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
     verdict = "**promoted**" if decision.promote else "**kept the promoted draft**"
@@ -82,8 +115,8 @@ def promote(config: RunConfig, report: dict) -> dict:
         key="promotion-decision",
         markdown="\n".join([
             f"## Promotion: {verdict}", "",
-            "| | acceptance length |", "|---|---|",
-            f"| new draft (`{report['draft_dir']}`) | {decision.new:.3f} |",
+            f"| | {figure.name} |", "|---|---|",
+            f"| new draft (`{report['draft_dir']}`) | {'n/a' if decision.new is None else f'{decision.new:.3f}'} |",
             f"| promoted draft (`{promoted_dir}`) | "
             f"{'none yet' if decision.promoted is None else f'{decision.promoted:.3f}'} |",
             f"| required margin | {decision.margin:g} |", "",
@@ -91,4 +124,4 @@ def promote(config: RunConfig, report: dict) -> dict:
         ]),
         description="did this run's draft replace the promoted one?",
     )
-    return asdict(decision)
+    return {**asdict(decision), "figure": figure.name}

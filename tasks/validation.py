@@ -9,12 +9,17 @@ Writes into ``<run_dir>``:
                               simulated validation report of specforge_core.evaluate; links curves.png
     report/curves.png         loss, per-position accuracy, simulated and measured acceptance length
     report/validation-*.md    the evaluator's own report for each draft measured
+    report/benchmarks-*.md    with validation.benchmarks: the benchmark table of the trained draft, and of
+                              the promoted one when validation.promote_on compares on it
 
 "Before" is the draft training started from: the warm-start draft (``draft.init_from``), or for a
 cold start an untrained draft of the same config and vocab map (it measures about 1.0: its tokens
 are almost never accepted). With ``validation.promoted_dir`` holding a draft, that draft is measured
-too, on the same prompts, for the promotion decision. The markdown artifact ``validation-report``
-carries the report with the plot inlined (the UI cannot open files of the worker's disk).
+too, on the same prompts, for the promotion decision. With ``validation.benchmarks`` the trained
+draft's benchmark table is measured as well (``evaluate_benchmarks``; the promoted draft's too when
+``validation.promote_on`` names the benchmark promotion compares). The markdown artifact
+``validation-report`` carries the report, the benchmark tables and the plot inlined (the UI cannot
+open files of the worker's disk).
 """
 
 import base64
@@ -29,7 +34,7 @@ from prefect.logging import get_run_logger
 
 from specforge_core.config import RunConfig
 from specforge_core.data.vocab import load_vocab_map
-from specforge_core.decoding.evaluation import evaluate
+from specforge_core.decoding.evaluation import evaluate, evaluate_benchmarks
 from specforge_core.drafts import load_draft
 from specforge_core.io import atomic_write_text
 from specforge_core.run.directory import RunDir
@@ -88,6 +93,16 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
         logger.info("acceptance length of the %s draft (%s): %.3f", label, path, result["acceptance_length"])
         return result
 
+    def benchmark(label: str, path: Path, metrics_dir: Path) -> dict:
+        result = evaluate_benchmarks(eval_config, path, report_path=run.validation_benchmarks(label),
+                                     run_dir=metrics_dir)
+        for name, b in result["benchmarks"].items():
+            figures = ", ".join("n/a" if s["acceptance_length"] is None else f"{s['acceptance_length']:.3f} at "
+                                f"{s['steps']},{s['topk']},{s['draft_tokens']}" for s in b["settings"])
+            logger.info("%s draft on %s: acceptance length %s (%d prompts, %d requests, %.1f s)", label, name,
+                        figures, b["prompts"], b["requests"], b["seconds"])
+        return result
+
     after = measure("trained", draft_dir, run.root)
     warm = bool(config.draft.init_from)
     if warm:
@@ -104,10 +119,16 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
         promoted_result = before if same else measure("promoted", promoted, promoted)
         rows["currently promoted"] = (str(promoted), promoted_result)
 
+    tables = {}
+    if config.validation.benchmarks:
+        tables["trained"] = benchmark("trained", draft_dir, run.root)
+        if config.validation.promote_on and promoted_result is not None:
+            tables["promoted"] = benchmark("promoted", promoted, promoted)
+
     plot = plot_curves(run.metrics, run.curves, num_steps=config.validation_num_steps,
                        measured={"before": before["acceptance_length"], "after": after["acceptance_length"]})
     summary = render_summary(rows, config, plot.name, family.name)
-    evaluator_report = Path(after["report"]).read_text(encoding="utf-8")
+    evaluator_report = "\n".join(Path(r["report"]).read_text(encoding="utf-8") for r in (*tables.values(), after))
     report = atomic_write_text(run.report, summary + "\n" + evaluator_report)
     inline = "data:image/png;base64," + base64.b64encode(plot.read_bytes()).decode()
     create_markdown_artifact(
@@ -124,4 +145,6 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
         "acceptance_length_promoted": None if promoted_result is None else promoted_result["acceptance_length"],
         "simulated_acceptance_length": after.get("simulated_acceptance_length"),
         "measured": json.loads(json.dumps({k: v for k, v in after.items() if k != "report"})),
+        "benchmarks": tables["trained"]["benchmarks"] if "trained" in tables else None,
+        "benchmarks_promoted": tables["promoted"]["benchmarks"] if "promoted" in tables else None,
     }

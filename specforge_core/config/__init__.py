@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from specforge_core.errors import ConfigError
 
@@ -65,6 +65,10 @@ class ModelConfig(_Section):
         return v
 
 
+# Template variables the renderer sets itself (data/tokenize.py); data.chat_template_kwargs may not set them.
+CHAT_TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
+
+
 class DataConfig(_Section):
     """Conversations in, tokenized prompt cache out."""
 
@@ -89,11 +93,24 @@ class DataConfig(_Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec storage options (credentials are never logged)."
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra variables for the chat template, e.g. {enable_thinking: false} "
+        "for Qwen3; used alike for training data, regenerated answers and evaluation prompts."
+    )
 
     @field_validator("train_files", "eval_files", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_renderers_own(cls, v: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(v) & set(CHAT_TEMPLATE_RESERVED))
+        if owned:
+            raise ValueError(f"sets {', '.join(owned)}, which the renderer passes itself; remove "
+                             f"{'them' if len(owned) > 1 else 'it'} (other keys reach the template unchanged)")
+        return v
 
 
 class DFlashSection(_Section):
@@ -266,6 +283,24 @@ class OutputConfig(_Section):
     )
 
 
+class BenchmarkSetting(_Section):
+    """One row of the benchmark table: SGLang's ``--speculative-num-steps``, ``--speculative-eagle-topk``
+    and ``--speculative-num-draft-tokens``."""
+
+    steps: int = Field(ge=1, description="Draft steps per verify round.")
+    topk: int = Field(1, ge=1, description="Branches per draft step; 1 = chain drafting.")
+    draft_tokens: int = Field(ge=2, description="Tokens the target verifies per round, the pending one included.")
+
+    @model_validator(mode="after")
+    def _chain_verifies_every_step(self) -> "BenchmarkSetting":
+        if self.topk == 1 and self.draft_tokens != self.steps + 1:
+            raise ValueError(
+                f"steps={self.steps}, topk=1, draft_tokens={self.draft_tokens}: a chain verifies the pending "
+                f"token and its {self.steps} drafts, so draft_tokens must be {self.steps + 1} (SGLang's rule)"
+            )
+        return self
+
+
 class ValidationConfig(_Section):
     enabled: bool = True
     num_steps: int | None = Field(
@@ -278,6 +313,31 @@ class ValidationConfig(_Section):
         0.0, ge=0, description="Promote a new draft only if acceptance length beats the promoted one by this."
     )
     promoted_dir: str | None = Field(None, description="Where the promoted draft lives (scheduled retraining).")
+    benchmarks: list[str] = Field(
+        default_factory=list, description="Prompt sets of the benchmark table: mt-bench, humaneval, sharegpt "
+        "(its held-out split) or a prompts file; empty: no table (docs/validation.md)."
+    )
+    settings: list[BenchmarkSetting] = Field(
+        default_factory=lambda: [BenchmarkSetting(steps=3, topk=1, draft_tokens=4),
+                                 BenchmarkSetting(steps=7, topk=1, draft_tokens=8)],
+        min_length=1, description="The table's rows per benchmark (steps, topk, draft tokens).",
+    )
+    benchmark_prompts: int | None = Field(
+        None, ge=1, description="Decode the first N prompts of each benchmark; none: all of them."
+    )
+    promote_on: str | None = Field(
+        None, description="A benchmark of validation.benchmarks: promotion compares its pooled acceptance "
+        "length at the first setting instead of the held-out figure."
+    )
+
+    @field_validator("promote_on")
+    @classmethod
+    def _a_measured_benchmark(cls, v: str | None, info: ValidationInfo) -> str | None:
+        benchmarks = info.data.get("benchmarks", [])
+        if v is not None and v not in benchmarks:
+            raise ValueError(f"{v!r} is not one of validation.benchmarks {benchmarks}: add it there, "
+                             "or remove promote_on to promote on the held-out figure")
+        return v
 
 
 class RunConfig(_Section):

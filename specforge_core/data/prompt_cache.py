@@ -12,7 +12,8 @@ Layout under ``<data.cache_dir>/prompts/``::
     <key>.lock          the file lock that makes one process build while the others wait
 
 The key (:func:`prompt_cache_key`) is a sha256 over every source file's bytes, the tokenizer
-(vocabulary, merges, added tokens), the chat template, and every option that changes the rows.
+(vocabulary, merges, added tokens), the chat template and its ``data.chat_template_kwargs``, and
+every option that changes the rows.
 It is also the Prefect cache key of the prepare task. Builds write into a temporary directory
 beside the final one, fsync it and rename it into place, so a cache directory is always complete;
 on any error the temporary directory is removed, and one left by a killed build is removed by the
@@ -142,6 +143,8 @@ def prompt_cache_key(cfg, tokenizer) -> str:
         "max_rows": d.max_rows,
         "eval_holdout": 0 if d.eval_files else d.eval_holdout,
     }
+    if d.chat_template_kwargs:  # only when set: caches built before the option keep their keys
+        ident["chat_template_kwargs"] = d.chat_template_kwargs
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -330,7 +333,8 @@ class _Build:
         self.vocab_size = len(tokenizer)
         self.tok = RowTokenizer(tokenizer, max_length=self.d.max_length,
                                 train_only_last_turn=self.d.train_only_last_turn,
-                                chat_template=cfg.model.chat_template)
+                                chat_template=cfg.model.chat_template,
+                                chat_template_kwargs=self.d.chat_template_kwargs)
         self.stats = _Stats()
 
     def run(self) -> dict:
@@ -430,7 +434,7 @@ class _Build:
             "sources": s.sources,
             "options": {k: getattr(self.d, k) for k in ("format", "max_length", "train_only_last_turn",
                                                          "min_loss_tokens", "on_bad_row", "max_rows",
-                                                         "eval_holdout")},
+                                                         "eval_holdout", "chat_template_kwargs")},
             "chat_template": self.tok.markers,
             "rows_in": s.rows_in,
             "rows_out": {"train": train.rows, "eval": evals.rows},

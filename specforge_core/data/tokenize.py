@@ -75,13 +75,15 @@ def special_token_strings(tokenizer) -> list[str]:
 class ChatRenderer:
     """A chat template compiled once, with its assistant header and end-of-turn token.
 
-    Renders exactly as ``tokenizer.apply_chat_template(..., tokenize=False)`` does (same template,
-    same special-token variables) without its per-call overhead. Raises :class:`DataError` when
-    there is no template, or when the template has no recognisable assistant header or
-    end-of-turn token (set ``model.chat_template`` to one that has).
+    Renders exactly as ``tokenizer.apply_chat_template(..., tokenize=False, **template_kwargs)``
+    does (same template, same special-token variables, ``template_kwargs`` such as Qwen3's
+    ``enable_thinking`` on top: ``data.chat_template_kwargs``) without its per-call overhead; the
+    probe below renders with them too. Raises :class:`DataError` when there is no template, or
+    when the template has no recognisable assistant header or end-of-turn token (set
+    ``model.chat_template`` to one that has).
     """
 
-    def __init__(self, tokenizer, chat_template: str | None = None):
+    def __init__(self, tokenizer, chat_template: str | None = None, template_kwargs: dict | None = None):
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         template = effective_template(tokenizer, chat_template)
@@ -93,7 +95,9 @@ class ChatRenderer:
             )
         self.template = template
         self._compiled = _compile_jinja_template(template)
-        self._vars = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        # as in apply_chat_template: the caller's variables override the special-token ones
+        self._vars = {**{k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)},
+                      **(template_kwargs or {})}
         self.header, self.end_of_turn = self._probe(special_token_strings(tokenizer))
 
     def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
@@ -166,7 +170,7 @@ class RowTokenizer:
     """
 
     def __init__(self, tokenizer, *, max_length: int, train_only_last_turn: bool = False,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, chat_template_kwargs: dict | None = None):
         from tokenizers import Tokenizer
 
         if not getattr(tokenizer, "is_fast", False):
@@ -176,6 +180,7 @@ class RowTokenizer:
         self.max_length = max_length
         self.train_only_last_turn = train_only_last_turn
         self._chat_template = chat_template
+        self._chat_template_kwargs = chat_template_kwargs
         self._renderer: ChatRenderer | None = None
         # A private copy without the padding/truncation a tokenizer.json may carry.
         self._encoder = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
@@ -191,7 +196,7 @@ class RowTokenizer:
     @property
     def renderer(self) -> ChatRenderer:
         if self._renderer is None:
-            self._renderer = ChatRenderer(self.tokenizer, self._chat_template)
+            self._renderer = ChatRenderer(self.tokenizer, self._chat_template, self._chat_template_kwargs)
         return self._renderer
 
     def __call__(self, rows: list[Row]) -> list[Tokenized | BadRow]:

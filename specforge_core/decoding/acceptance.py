@@ -13,7 +13,10 @@ Conventions (docs/validation.md says the same for users):
 - **target forward passes saved** = passes plain greedy decoding would need for the same
   tokens (one per token) − passes used (prefill + verify passes).
 
-Sums pool over prompts (Σ tokens / Σ passes), as SGLang's benchmark does.
+Sums pool over prompts (Σ tokens / Σ passes), as SGLang's and vLLM's benchmarks do. The
+**per-request acceptance length** is the other convention, SpecForge's benchmark runner's: each
+request's own ratio (same counts), then the mean over requests; a request that ended at the
+prefill (no verify pass) has none and is left out. Long requests weigh more in the pooled figure.
 """
 
 from dataclasses import dataclass, field
@@ -33,6 +36,8 @@ class AcceptanceStats:
     reached: list[int] = field(default_factory=list)  # reached[i]: rounds whose drafts 0..i-1 were accepted
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: rounds whose draft i was accepted too
     stopped: int = 0  # prompts that ended on an end-of-turn token
+    request_ratio_sum: float = 0.0  # Σ over requests with a verify pass of their own tokens / passes
+    requests_verified: int = 0  # requests with at least one verify pass
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0] * self.num_steps
@@ -46,6 +51,9 @@ class AcceptanceStats:
         self.verify_passes += gen.verify_passes
         self.verify_tokens += sum(gen.emitted)
         self.stopped += gen.stopped
+        if gen.verify_passes:
+            self.request_ratio_sum += sum(gen.emitted) / gen.verify_passes
+            self.requests_verified += 1
         for a in gen.accepted:
             for i in range(self.num_steps):
                 if a >= i:
@@ -65,6 +73,8 @@ class AcceptanceStats:
             "generated_tokens": self.generated_tokens,
             "verify_passes": passes,
             "acceptance_length": acc_len,
+            "per_request_acceptance_length": (self.request_ratio_sum / self.requests_verified
+                                              if self.requests_verified else None),
             "mean_accepted_draft_tokens": acc_len - 1 if acc_len is not None else None,
             "per_position_acceptance": [
                 self.accepted_at[i] / self.reached[i] if self.reached[i] else None

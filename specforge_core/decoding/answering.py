@@ -3,7 +3,8 @@
     result = regenerate(cfg, Path("data/regen.jsonl"), batch_size=16, max_new_tokens=256)
 
 For every source conversation (``data.train_files``, or ``files``) the prompt is the conversation
-up to its first assistant turn; the target answers it (greedy by default, sampled with
+up to its first assistant turn, rendered with the chat template and ``data.chat_template_kwargs``
+exactly as the prompt cache renders training rows; the target answers it (greedy by default, sampled with
 ``temperature > 0``) in left-padded batches. Each answered row is appended to ``out`` as
 ``{"id": ..., "conversations": [...prompt turns, {"role": "assistant", "content": answer}]}``, the
 conversation format the data stage reads. Resumable: ids already in ``out`` are skipped, so an
@@ -21,6 +22,7 @@ from specforge_core.data.formats import BadRow, Row, detect_format, iter_records
 from specforge_core.data.tokenize import ChatRenderer
 from specforge_core.errors import DataError
 from specforge_core.decoding.verifier import load_target, stop_token_ids
+
 
 def prompt_messages(row: Row) -> list[dict] | None:
     """The row's messages before its first assistant turn (None if they hold no user turn)."""
@@ -101,7 +103,7 @@ def regenerate(cfg, out: Path, *, files: list[str] | None = None, batch_size: in
     out.parent.mkdir(parents=True, exist_ok=True)
     done = written_ids(out)
     model, tok = load_target(cfg)
-    renderer = ChatRenderer(tok)
+    renderer = ChatRenderer(tok, template_kwargs=cfg.data.chat_template_kwargs)  # as the training data renders
     stops = stop_token_ids(model, tok, renderer.end_of_turn)
     todo, bad = pending_prompts(cfg, files, done, len(tok), limit)
     rendered = []

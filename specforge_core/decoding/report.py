@@ -1,4 +1,5 @@
-"""The validation report: simulated acceptance (training metrics) beside measured acceptance.
+"""The validation reports: simulated acceptance (training metrics) beside measured acceptance, and
+the benchmark table (``render_benchmark_report``: a row per benchmark and decoding setting).
 
 Simulated acceptance length for a chain of k draft tokens, from training accuracies acc_j
 (the bonus token counts, as in SGLang's acceptance length): ``1 + Σ_{i<k} Π_{j≤i} acc_j``. Training
@@ -55,7 +56,11 @@ def _fmt(x, digits: int = 3) -> str:
     return str(x)
 
 
-def render_report(measured: dict, simulated: dict | None, meta: dict) -> str:
+def _warning_lines(warnings) -> list[str]:
+    return [line for w in warnings for line in (f"> **Warning:** {w}", "")]
+
+
+def render_report(measured: dict, simulated: dict | None, meta: dict, warnings: list[str] = ()) -> str:
     """Markdown: what was measured, how, and the simulated-vs-measured table."""
     k = measured["num_steps"]
     sim_acc = (simulated or {}).get("acc", [])
@@ -68,6 +73,7 @@ def render_report(measured: dict, simulated: dict | None, meta: dict) -> str:
         f"- held-out prompts: {measured['prompts']}, draft tokens per round: {k}, "
         f"generated tokens: {measured['generated_tokens']}",
         "",
+        *_warning_lines(warnings),
         "## Simulated (training metrics) vs measured (speculative decoding)",
         "",
         "| figure | simulated | measured |",
@@ -110,4 +116,57 @@ def render_report(measured: dict, simulated: dict | None, meta: dict) -> str:
         "bonus token included, 1.0 without speculation; the prefill's first token is not counted).",
         "",
     ]
+    return "\n".join(lines)
+
+
+def render_benchmark_report(result: dict, meta: dict) -> str:
+    """Markdown: one draft's benchmark table (a row per benchmark and setting) and the time each took.
+
+    ``result`` is ``evaluation.evaluate_benchmarks``'s return value; ``meta`` adds ``name: value``
+    lines under the heading."""
+    runs = result["benchmarks"]
+    settings = [f"{s['steps']},{s['topk']},{s['draft_tokens']}" for s in next(iter(runs.values()))["settings"]]
+    lines = [
+        f"# Benchmark table: `{result['draft']}`",
+        "",
+        f"- draft family: `{result['draft_family']}`",
+        f"- target: `{result['target']}`",
+        *(f"- {name}: `{value}`" for name, value in meta.items()),
+        f"- decoding: greedy, up to {result['max_new_tokens']} new tokens per turn, {result['batch_size']} "
+        "requests per batch; a setting is steps, topk, draft tokens (SGLang's --speculative-num-steps, "
+        "--speculative-eagle-topk, --speculative-num-draft-tokens)",
+        "",
+        *_warning_lines(result["warnings"]),
+        "| benchmark | steps, topk, draft tokens | τ pooled | τ per request | tokens/s speculative "
+        "| tokens/s greedy | speedup | outputs ≠ greedy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in runs.items():
+        for s in run["settings"]:
+            lines.append(
+                f"| {name} | {s['steps']}, {s['topk']}, {s['draft_tokens']} | **{_fmt(s['acceptance_length'])}** "
+                f"| {_fmt(s['per_request_acceptance_length'])} | {_fmt(s['tokens_per_s'], 1)} "
+                f"| {_fmt(run['greedy']['tokens_per_s'], 1)} | {_fmt(s['speedup'], 2)}× "
+                f"| {len(s['differing_prompts'])} of {run['prompts']} |")
+    lines += [
+        "",
+        "τ pooled = Σ tokens emitted by verify passes / Σ verify passes over all requests (SGLang's and "
+        "vLLM's figure); τ per request = the mean of each request's own ratio (SpecForge's benchmark "
+        "runner). Both count the bonus token, not the prefill's first token. A request is one turn; "
+        "MT-Bench's second turn follows the target's own first answer. Speedup = speculative / greedy "
+        "tokens per second on the same requests with the same decoder and batching. Outputs ≠ greedy: "
+        "prompts with a turn whose speculative output differs from plain greedy decoding (0 when lossless).",
+        "",
+        "## Time per benchmark",
+        "",
+        "| benchmark | prompts | requests | skipped (too long) | greedy s | "
+        + " | ".join(f"{label} s" for label in settings) + " | total s |",
+        "|---|---|---|---|---|" + "---|" * len(settings) + "---|",
+    ]
+    for name, run in runs.items():
+        lines.append(f"| {name} | {run['prompts']} | {run['requests']} | {run['skipped_too_long']} "
+                     f"| {_fmt(run['greedy']['seconds'], 1)} | "
+                     + " | ".join(_fmt(s["seconds"], 1) for s in run["settings"])
+                     + f" | {_fmt(run['seconds'], 1)} |")
+    lines.append("")
     return "\n".join(lines)

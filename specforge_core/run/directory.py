@@ -16,7 +16,8 @@ Layout (``output.dir``, or ``<output.dir>/<flow run>-<id>`` when the flow runs i
     draft/              the exported draft (validate stage)
     draft-untrained/    an untrained draft of the same config, the "before" of a cold start
     validation.md       the evaluator's report when it is run by hand
-    report/             report.md, curves.png, validation-<label>.md (validate stage)
+    benchmarks.md       the evaluator's benchmark table when it is run by hand (--benchmarks)
+    report/             report.md, curves.png, validation-<label>.md, benchmarks-<label>.md (validate stage)
 """
 
 from dataclasses import dataclass
@@ -96,3 +97,10 @@ class RunDir:
 
     def validation_report(self, label: str) -> Path:
         return self.report_dir / f"validation-{label}.md"
+
+    @property
+    def benchmark_report(self) -> Path:
+        return self.root / "benchmarks.md"
+
+    def validation_benchmarks(self, label: str) -> Path:
+        return self.report_dir / f"benchmarks-{label}.md"

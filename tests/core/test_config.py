@@ -118,3 +118,17 @@ def test_the_old_training_tp_size_still_loads_as_capture_tp_size_with_a_warning(
 def test_old_and_new_tp_size_that_disagree_are_refused():
     with pytest.raises(ConfigError, match="training.tp_size=2 and capture.tp_size=1 disagree"):
         load_config(None, ["training.tp_size=2", "capture.tp_size=1", "deployment.nproc_per_node=4"])
+
+
+def test_chat_template_kwargs_may_not_set_what_the_renderer_sets():
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs: sets add_generation_prompt"):
+        load_config(None, ["data.chat_template_kwargs={add_generation_prompt: true, enable_thinking: false}"])
+    cfg = load_config(None, ["data.chat_template_kwargs={enable_thinking: false}"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_promote_on_must_name_a_measured_benchmark():
+    with pytest.raises(ConfigError, match=r"validation.promote_on: 'mt-bench' is not one of validation.benchmarks \['humaneval'\]"):
+        load_config(None, ["validation.benchmarks=[humaneval]", "validation.promote_on=mt-bench"])
+    cfg = load_config(None, ["validation.benchmarks=[mt-bench, humaneval]", "validation.promote_on=mt-bench"])
+    assert [(s.steps, s.topk, s.draft_tokens) for s in cfg.validation.settings] == [(3, 1, 4), (7, 1, 8)]

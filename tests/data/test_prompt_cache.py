@@ -177,3 +177,20 @@ def test_max_rows_caps_the_source_rows(make_cfg, tmp_path, tiny_tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", many(10))
     cache = ensure_prompt_cache(make_cfg([path], max_rows=4), tiny_tokenizer)
     assert cache.meta["rows_in"] == 4 and cache.train.num_rows == 4
+
+
+def test_the_chat_template_kwargs_are_part_of_the_key(make_cfg, chat_file, tiny_tokenizer):
+    plain = prompt_cache_key(make_cfg([chat_file]), tiny_tokenizer)
+    off = prompt_cache_key(make_cfg([chat_file], chat_template_kwargs={"enable_thinking": False}), tiny_tokenizer)
+    on = prompt_cache_key(make_cfg([chat_file], chat_template_kwargs={"enable_thinking": True}), tiny_tokenizer)
+    assert len({plain, off, on}) == 3
+
+
+def test_eval_prompts_are_rendered_with_the_chat_template_kwargs(make_cfg, chat_file, tiny_tokenizer):
+    from fixtures.tiny import THINKING_SWITCH_TEMPLATE
+
+    cfg = make_cfg([chat_file], f"model.chat_template={json.dumps(THINKING_SWITCH_TEMPLATE)}",
+                   eval_holdout=1, chat_template_kwargs={"enable_thinking": False})
+    cache = ensure_prompt_cache(cfg, tiny_tokenizer)
+    assert cache.meta["options"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert tiny_tokenizer.decode(cache.eval[0]["prompt_ids"]).endswith("<think>\n\n</think>\n\n")

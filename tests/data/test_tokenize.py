@@ -112,3 +112,27 @@ def test_prompt_ids_end_with_the_generation_prompt(tiny_tokenizer):
     (row,) = rows(CHAT[1:2])
     prompt = tiny_tokenizer.decode(rt.prompt_ids(row, rt([row])[0]).tolist())
     assert prompt.endswith("Name two colors.<|im_end|>\n<|im_start|>assistant\n") and "Red" not in prompt
+
+
+def test_template_kwargs_render_as_apply_chat_template_renders_them(tiny_tokenizer):
+    from fixtures.tiny import THINKING_SWITCH_TEMPLATE
+
+    turns = CHAT[0]["conversations"][:1]
+    on = ChatRenderer(tiny_tokenizer, THINKING_SWITCH_TEMPLATE)
+    off = ChatRenderer(tiny_tokenizer, THINKING_SWITCH_TEMPLATE, {"enable_thinking": False})
+    want = tiny_tokenizer.apply_chat_template(turns, chat_template=THINKING_SWITCH_TEMPLATE, tokenize=False,
+                                              add_generation_prompt=True, enable_thinking=False)
+    assert off.render(turns, add_generation_prompt=True) == want
+    assert want.endswith("<think>\n\n</think>\n\n")
+    assert on.render(turns, add_generation_prompt=True) != want
+
+
+def test_prompt_ids_carry_the_template_kwargs_and_the_masks_still_find_every_turn(tiny_tokenizer):
+    from fixtures.tiny import THINKING_SWITCH_TEMPLATE
+
+    rt = RowTokenizer(tiny_tokenizer, max_length=512, chat_template=THINKING_SWITCH_TEMPLATE,
+                      chat_template_kwargs={"enable_thinking": False})
+    (row,) = rows(CHAT[1:2])
+    (t,) = rt([row])
+    assert masked_text(tiny_tokenizer, t) == "Red and blue." + EOT + "Green." + EOT
+    assert tiny_tokenizer.decode(rt.prompt_ids(row, t).tolist()).endswith("assistant\n<think>\n\n</think>\n\n")

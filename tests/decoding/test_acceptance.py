@@ -52,3 +52,13 @@ def test_a_prompt_done_at_prefill_adds_no_verify_pass():
     stats.add(_gen([], [], stopped=True))
     s = stats.summary()
     assert s["acceptance_length"] is None and s["stopped_on_end_of_turn"] == 1
+
+
+def test_the_per_request_figure_is_the_mean_of_each_requests_own_ratio():
+    stats = AcceptanceStats(3)
+    stats.add(_gen([3], [4]))  # 4 tokens in 1 pass
+    stats.add(_gen([0, 0, 0], [1, 1, 1]))  # 1 token per pass
+    stats.add(_gen([], [], stopped=True))  # ended at the prefill: no ratio
+    s = stats.summary()
+    assert s["per_request_acceptance_length"] == pytest.approx((4 + 1) / 2)
+    assert s["acceptance_length"] == pytest.approx(7 / 4)

@@ -112,3 +112,27 @@ def test_cli_prints_one_json_line(tiny_target_dir, source, tmp_path, capsys):
     assert main(["--config", str(cfg_path), "--out", str(out), "--max-new-tokens", "4", "--limit", "3"]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1 and json.loads(printed[0])["written"] == 3
+
+
+def test_the_prompt_is_rendered_with_the_chat_template_kwargs(tiny_target_dir, tiny_tokenizer, source, tmp_path):
+    from fixtures.tiny import THINKING_SWITCH_TEMPLATE
+
+    def answers(kwargs):
+        cfg = config_from_dict({"model": {"target": str(tiny_target_dir), "chat_template": THINKING_SWITCH_TEMPLATE},
+                                "data": {"train_files": [str(source)], "max_length": 256,
+                                         "chat_template_kwargs": kwargs}})
+        out = tmp_path / f"regen-{len(kwargs)}.jsonl"
+        regenerate(cfg, out, batch_size=2, max_new_tokens=6, limit=2)
+        return {r["id"]: r["conversations"][-1]["content"] for r in _rows(out)}
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    target = DecodingTarget(model, default_capture_layers(model.config.num_hidden_layers))
+    want = {}
+    for i, q in enumerate(QUESTIONS[:2]):
+        text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": q}], chat_template=THINKING_SWITCH_TEMPLATE,
+                                                  tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        tokens = decode(target, ids, max_new_tokens=6, stop_ids={tiny_tokenizer.eos_token_id}).tokens
+        want[f"q{i}"] = tiny_tokenizer.decode(tokens, skip_special_tokens=True)
+    assert answers({"enable_thinking": False}) == want
+    assert answers({}) != want

@@ -87,11 +87,14 @@ def test_training_keeps_progress_and_metrics_artifacts(first):
 
 def test_later_runs_reuse_the_data_stages_and_promote_only_a_better_draft(first, profile, tmp_path):
     """Scheduled retraining of the same data: stages Cached, a new run directory, warm start from the
-    promoted draft, promotion gated by the margin."""
+    promoted draft, promotion gated by the margin on a benchmark's acceptance length (promote_on)."""
     promoted = tmp_path / "promoted"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p1", "turns": ["hello, what is the capital of France?", "and why?"]}) + "\n")
     config = json.loads(json.dumps(profile))
     config["draft"]["init_from"] = str(promoted)
-    config["validation"].update(promoted_dir=str(promoted), promote_margin=100.0)
+    config["validation"].update(promoted_dir=str(promoted), promote_margin=100.0, benchmarks=[str(prompts)],
+                                settings=[{"steps": 2, "topk": 1, "draft_tokens": 3}], promote_on=str(prompts))
 
     first_id, first_result = _run(config)
     states = _task_states(first_id)
@@ -100,7 +103,15 @@ def test_later_runs_reuse_the_data_stages_and_promote_only_a_better_draft(first,
     assert first_result["promotion"]["promote"]  # nothing promoted yet: cold start, promoted
     assert (promoted / "promotion.json").is_file()
 
+    assert first_result["benchmarks_promoted"] is None  # nothing to compare with yet
+
     second_id, second_result = _run(config)
     assert not second_result["promotion"]["promote"]  # warm start, but not 100 tokens better
-    assert "kept the promoted draft" in _artifact("promotion-decision", second_id).data
+    decision = _artifact("promotion-decision", second_id).data
+    assert "kept the promoted draft" in decision and f"| | {prompts} acceptance length at 2,1,3 |" in decision
+    row = second_result["benchmarks"][str(prompts)]["settings"][0]
+    assert second_result["promotion"]["new"] == row["acceptance_length"]
+    assert second_result["promotion"]["promoted"] == \
+        second_result["benchmarks_promoted"][str(prompts)]["settings"][0]["acceptance_length"]
+    assert f"| {prompts} | 2, 1, 3 | **{row['acceptance_length']:.3f}** |" in _artifact("validation-report", second_id).data
     assert json.loads((promoted / "promotion.json").read_text())["run_dir"] == first_result["run_dir"]

@@ -2,7 +2,7 @@
 
 import json
 
-from tasks.promotion import RECORD, install_draft, promoted_record, promotion_decision
+from tasks.promotion import RECORD, compared_figure, install_draft, promoted_record, promotion_decision
 
 
 def test_the_first_draft_is_promoted():
@@ -34,3 +34,32 @@ def test_installing_replaces_the_promoted_directory_and_records_the_source(tmp_p
     assert promoted_record(promoted) == {"acceptance_length": 1.5}
     assert json.loads((promoted / RECORD).read_text())["acceptance_length"] == 1.5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "old", "promoted"]
+
+
+def _report(held_out, held_out_promoted, tau, tau_promoted):
+    def table(value):
+        return None if value is None else {"mt-bench": {"settings": [
+            {"steps": 3, "topk": 1, "draft_tokens": 4, "acceptance_length": value},
+            {"steps": 7, "topk": 1, "draft_tokens": 8, "acceptance_length": value + 1}]}}
+    return {"acceptance_length": held_out, "acceptance_length_promoted": held_out_promoted,
+            "benchmarks": table(tau), "benchmarks_promoted": table(tau_promoted)}
+
+
+def test_promote_on_compares_that_benchmarks_first_setting_not_the_held_out_figure():
+    report = _report(held_out=1.9, held_out_promoted=1.5, tau=2.0, tau_promoted=2.4)
+    figure = compared_figure(report, promote_on="mt-bench")
+    assert (figure.name, figure.new, figure.promoted) == ("mt-bench acceptance length at 3,1,4", 2.0, 2.4)
+    assert not promotion_decision(figure.new, figure.promoted, margin=0.0).promote
+    held_out = compared_figure(report, promote_on=None)
+    assert (held_out.new, held_out.promoted) == (1.9, 1.5)
+    assert promotion_decision(held_out.new, held_out.promoted, margin=0.0).promote
+
+
+def test_without_a_promoted_table_the_first_benchmarked_draft_is_promoted():
+    figure = compared_figure(_report(1.2, None, 1.7, None), promote_on="mt-bench")
+    assert figure.promoted is None and promotion_decision(figure.new, figure.promoted, margin=0.1).promote
+
+
+def test_a_draft_without_a_measured_figure_is_not_promoted():
+    decision = promotion_decision(None, None, margin=0.0)
+    assert not decision.promote and "no measured figure" in decision.reason
