@@ -25,7 +25,7 @@ import contextlib
 import sys
 
 from specforge_core.cli import command_parser, report_error
-from specforge_core.errors import ConfigError, SpecForgeError
+from specforge_core.errors import SpecForgeError
 
 
 def parse_args(argv: list[str] | None = None):
@@ -76,22 +76,13 @@ def run_lock(cfg, d):
             lock.release()
 
 
-def check_world(cfg, d) -> None:
-    if cfg.deployment.world_size != d.world_size:
-        raise ConfigError(
-            f"torchrun started {d.world_size} ranks but the config plans for "
-            f"deployment.nproc_per_node × nnodes = {cfg.deployment.world_size}",
-            where="deployment.nproc_per_node",
-            fix=f"set deployment.nproc_per_node (× nnodes) to {d.world_size}, or launch that many ranks",
-        )
-
-
 def train(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
     """Preflight, resolve, build and fit on this rank (collective: every rank calls it)."""
     from specforge_core.runtime.builder import build_training, inputs_from_manifest, resolve_inputs
+    from specforge_core.run.topology import Topology
     from specforge_core.runtime.preflight import check_run_inputs
 
-    check_world(cfg, d)
+    Topology.launched(cfg, d.world_size)  # torchrun's world must be the config's
     checked = check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
     with run_lock(cfg, d):
         if manifest is not None:
