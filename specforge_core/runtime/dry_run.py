@@ -51,7 +51,8 @@ in tokens: from the plan and every row's length when a prompt cache gives them
   gradient: FSDP2 shards them over the world) + ``P_d × 2c`` (the gathered compute copy and its
   gradient; c = 2 with ``training.param_dtype: bfloat16``, else 4) + the frozen ``P_f × c`` (EAGLE3's
   embedding), all counted on the meta device from the draft config;
-- captured features: ``T × (K + 1 if the family reads the last hidden) × H × b`` (K capture layers);
+- captured features: ``T × (K + 1 if the family reads the last hidden) × H × b`` (K capture layers;
+  with ``hf`` and tp > 1 each peer briefly holds the whole TP-wide batch's, not counted);
 - activations: ``family.activation_bytes(cfg, draft_config, tokens=T, samples=B)`` (each family's
   docstring states its formula).
 """
