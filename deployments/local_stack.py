@@ -98,7 +98,8 @@ class LocalPrefect:
         return done
 
     def deploy(self) -> None:
-        """`prefect deploy --all` of deployments/prefect.yaml (its work pool must exist)."""
+        """`prefect deploy --all` of deployments/prefect.yaml (its work pools, colocated-pool and
+        gpu-pool, must exist)."""
         self.prefect("deploy", "--all", "--prefect-file", str(PREFECT_YAML.relative_to(PROJECT_DIR)),
                      "--no-prompt")
 

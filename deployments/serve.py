@@ -2,9 +2,10 @@
 
     python -m deployments.serve                # from the project root; Ctrl-C (or SIGTERM) stops it
 
-Registers colocated-train/default and colocated-train/nightly (cron 03:00 UTC, concurrency 1) with
-the parameters of deployments/prefect.yaml, then polls for their runs and executes each in a child
-process. Differences from the worker path (Prefect 3.9): no work pool is needed; code edits
+Registers every deployment of deployments/prefect.yaml (colocated-train/default, colocated-train/nightly
+with its cron 03:00 UTC and concurrency 1, and one per GPU recipe) with its parameters, then polls
+for their runs and executes each in a child process on this machine (serve has no work pools: run
+it on the GPU node to serve the GPU recipes). Differences from the worker path (Prefect 3.9): no work pool is needed; code edits
 need a restart (serve runs the flow object it imported); on shutdown the deployments are paused;
 on cancel serve SIGTERMs only the flow-run process, so the train task's own process-group kill is
 what stops torchrun's ranks.

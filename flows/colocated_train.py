@@ -1,10 +1,14 @@
 """The `colocated-train` flow: conversations → prompt cache → vocab map → plan → train → validate.
 
     python -m flows.colocated_train --config examples/tiny-cpu.yaml [section.key=value ...]
+    python -m flows.colocated_train --config examples/gpu/qwen3-8b-1gpu.yaml --dry-run
     prefect deployment run colocated-train/default --watch            # docs/deploy.md
 
-One parameter, the run config model (`specforge_core.config.RunConfig`), which the Prefect UI
-renders as a form. Run locally (ephemeral API) or through a deployment; resume is driven by the
+Two parameters: the run config model (`specforge_core.config.RunConfig`), which the Prefect UI
+renders as a form, and `dry_run`: run the data stages (cached as ever), then, instead of train and
+validate, the dry run of the recorded prompt cache and plan (`tasks.training.dry_run_layout`:
+topology, plan, SGLang pools, memory per GPU, the launch's own refusals), which is returned and
+published as the `dry-run` artifact; nothing is launched. Run locally (ephemeral API) or through a deployment; resume is driven by the
 flow run's state: `prefect flow-run retry <id>` on a failed or crashed run shows the data stages as
 Cached and restarts train, which resumes from this run's latest checkpoint after checking the
 plan. Scheduled retraining (the nightly deployment) rebuilds only the stages whose content keys
@@ -30,7 +34,7 @@ from specforge_core.errors import SpecForgeError
 from tasks.caching import run_cached
 from tasks.data_stages import build_vocab_map, plan_key, prepare_prompt_cache, record_plan, stage_keys
 from tasks.promotion import promote
-from tasks.training import run_dir_for, train
+from tasks.training import dry_run_layout, run_dir_for, train
 from tasks.validation import validate
 
 
@@ -46,9 +50,10 @@ def _warm_start(config: RunConfig) -> RunConfig:
 
 @flow(name="colocated-train", description="Online, colocated EAGLE3 draft training: cached data stages, "
       "torchrun training, validation by measured acceptance length.")
-def colocated_train(config: RunConfig) -> dict:
+def colocated_train(config: RunConfig, dry_run: bool = False) -> dict:
     """Train an EAGLE3 draft for ``config.model.target`` on ``config.data``; returns where the draft,
-    the report and the acceptance lengths are."""
+    the report and the acceptance lengths are. ``dry_run``: stop after the data stages with the
+    layout the training would launch (the dry run's report)."""
     config = _warm_start(config)
     run_dir = run_dir_for(config.output.dir, flow_run.name, flow_run.id)
 
@@ -58,6 +63,8 @@ def colocated_train(config: RunConfig) -> dict:
     if get_family(config.draft.family).uses_vocab_map:
         vocab = run_cached(build_vocab_map, config, cache, keys.target_vocab_size, key=keys.vocab_map)
     plan = run_cached(record_plan, config, cache, key=plan_key(config, cache))
+    if dry_run:
+        return dry_run_layout(config, cache, plan)
     trained = run_cached(train, config, cache, vocab, plan, run_dir=str(run_dir), key=f"{flow_run.id}-{plan.key}")
     if not config.validation.enabled:
         return {"run_dir": str(run_dir), "checkpoint": trained.path}
@@ -70,6 +77,7 @@ def colocated_train(config: RunConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flows.colocated_train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="YAML run config (examples/*.yaml)")
+    ap.add_argument("--dry-run", action="store_true", help="the data stages, then the dry run instead of training")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=10")
     args = ap.parse_args(argv)
     try:
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecForgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    state = colocated_train(config, return_state=True)
+    state = colocated_train(config, dry_run=args.dry_run, return_state=True)
     if not state.is_completed():
         print(f"colocated-train ended {state.name}: {state.message}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@
     python -m specforge_core.train --config C.yaml training.max_steps=20        # one process, CPU is fine
     torchrun ... -m specforge_core.train --config C.yaml --plan runs/x/plan.json  # a recorded plan
     torchrun ... -m specforge_core.train --manifest runs/x/run.json               # what the flow runs
+    python -m specforge_core.train --config C.yaml --dry-run [--world 8] [--rows N]  # check a layout on a CPU
 
 ``deployment.nproc_per_node × nnodes`` must equal the number of ranks torchrun starts. Lifecycle:
 parse → preflight (config files only) → resolve the inputs (prompt cache, vocab map, plan: from
@@ -19,24 +20,43 @@ recorded as ``<output.dir>/plan.json`` when the run starts fresh, and ``<output.
 records the resolved inputs; with ``--plan`` the recorded plan must be the one this config and
 data give. With ``--manifest`` the config is the one recorded in the manifest (overrides still
 apply on top).
+
+``--dry-run`` starts no rank: it resolves the launch of ``--world`` ranks (default: the config's)
+on this machine, from the target's config.json alone — topology, draft config, plan, SGLang engine
+arguments and pools, a memory estimate per GPU — through the checks the launch runs, prints the
+layout and one JSON line, and refuses a broken layout as the launch would (exit code 2, the field
+and the fix). ``runtime/dry_run.py`` says what it checks, where the dataset size comes from
+(``--rows``, the manifest's prompt cache, or the rows of ``data.train_files`` counted) and the
+memory formula.
 """
 
 import contextlib
 import sys
 
 from specforge_core.cli import command_parser, report_error
-from specforge_core.errors import ConfigError, SpecForgeError
+from specforge_core.errors import SpecForgeError
 
 
 def parse_args(argv: list[str] | None = None):
     ap = command_parser(__doc__, "python -m specforge_core.train", config_required=False)
     ap.add_argument("--plan", help="a recorded plan.json (default: build it from the config and data)")
     ap.add_argument("--manifest", help="a run manifest (run.json) recorded by the flow: config and inputs by path")
+    dry = ap.add_argument_group("dry run (runtime/dry_run.py)")
+    dry.add_argument("--dry-run", action="store_true",
+                     help="check and print the layout on this machine: no weights, no tokenizer, no processes")
+    dry.add_argument("--world", type=int, help="the ranks torchrun will start (default: the config's world size)")
+    dry.add_argument("--rows", type=int, help="training rows to plan for (default: the manifest's prompt cache, "
+                     "else the rows of data.train_files counted)")
+    dry.add_argument("--gpu-gib", type=float, help="memory of one GPU in GiB (default: the visible GPU's, else 80)")
     args = ap.parse_args(argv)
     if bool(args.config) == bool(args.manifest):
         ap.error("give exactly one of --config and --manifest")
     if args.manifest and args.plan:
         ap.error("--plan comes from the manifest; give one or the other")
+    if not args.dry_run and (args.world, args.rows, args.gpu_gib) != (None, None, None):
+        ap.error("--world, --rows and --gpu-gib belong to --dry-run")
+    if args.manifest and args.rows is not None:
+        ap.error("--rows: the manifest's prompt cache gives the rows; give one or the other")
     return args
 
 
@@ -76,22 +96,13 @@ def run_lock(cfg, d):
             lock.release()
 
 
-def check_world(cfg, d) -> None:
-    if cfg.deployment.world_size != d.world_size:
-        raise ConfigError(
-            f"torchrun started {d.world_size} ranks but the config plans for "
-            f"deployment.nproc_per_node × nnodes = {cfg.deployment.world_size}",
-            where="deployment.nproc_per_node",
-            fix=f"set deployment.nproc_per_node (× nnodes) to {d.world_size}, or launch that many ranks",
-        )
-
-
 def train(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
     """Preflight, resolve, build and fit on this rank (collective: every rank calls it)."""
     from specforge_core.runtime.builder import build_training, inputs_from_manifest, resolve_inputs
+    from specforge_core.run.topology import Topology
     from specforge_core.runtime.preflight import check_run_inputs
 
-    check_world(cfg, d)
+    Topology.launched(cfg, d.world_size)  # torchrun's world must be the config's
     checked = check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
     with run_lock(cfg, d):
         if manifest is not None:
@@ -105,8 +116,35 @@ def train(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
             backend.close()
 
 
+def dry_run(args) -> int:
+    """``--dry-run``: resolve and check the launch, print its layout and one JSON line; no rank starts."""
+    from specforge_core.cli import run_command
+
+    def body() -> dict:
+        from specforge_core.runtime.dry_run import GIB, DatasetSize, dry_run, manifest_dataset
+        from specforge_core.runtime.preflight import check_target_files
+
+        cfg, manifest = load_run(args)
+        world = cfg.deployment.world_size if args.world is None else args.world
+        checked = check_target_files(cfg)
+        if args.rows is not None:
+            dataset = DatasetSize.given(args.rows)
+        elif manifest is not None:
+            dataset = manifest_dataset(manifest, cfg, checked, world)
+        else:
+            dataset = DatasetSize.counted(cfg)
+        report = dry_run(cfg, dataset, world_size=world, plan_path=args.plan, checked=checked,
+                         gpu_bytes=None if args.gpu_gib is None else int(args.gpu_gib * GIB))
+        print("\n".join(report.lines()), flush=True)
+        return report.as_dict()
+
+    return run_command(body)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
     from specforge_core.runtime.host import keep_freed_memory, prefer_passive_omp_wait
 
     prefer_passive_omp_wait()  # before torch is imported (runtime/host.py says why)

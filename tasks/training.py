@@ -19,6 +19,9 @@ trainer resumes from the latest one; a new flow run starts a new directory. The 
 4. returns the newest checkpoint; cached per (flow run, plan) so a retry after a later stage failed
    shows train as Cached instead of launching torchrun for nothing.
 
+``dry_run_layout`` (the flow's ``dry_run=True``) replaces this task: the dry run of the recorded
+prompt cache and plan, logged and published as the ``dry-run`` artifact; nothing is launched.
+
 Several nodes: ``deployment.nnodes > 1`` with ``deployment.rdzv_endpoint`` gives a c10d rendezvous
 command, and ``SPECFORGE_LAUNCH_PREFIX`` (e.g. ``srun --nodes=4 --ntasks-per-node=1``) starts it once
 per node; docs/deploy.md has the Slurm and JobSet recipes.
@@ -106,6 +109,27 @@ def record_run(config: RunConfig, run: RunDir, cache: StageOutput, vocab: StageO
         plan=Ref(plan.facts.get("plan_key", plan.key), str(run.plan)),
         vocab_map=None if vocab is None else Ref(vocab.facts.get("vocab_key", vocab.key), vocab.path),
     ).save(run.manifest)
+
+
+@task(name="dry_run")
+def dry_run_layout(config: RunConfig, prompt_cache: StageOutput, plan: StageOutput) -> dict:
+    """Check and show the layout train would launch (runtime/dry_run.py), on the recorded inputs; launch nothing."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from specforge_core.data.prompt_cache import open_prompt_cache
+    from specforge_core.runtime.dry_run import DatasetSize, dry_run
+
+    rows = open_prompt_cache(prompt_cache.path).rows("train")
+    report = dry_run(config, DatasetSize.of_prompt_cache(rows, prompt_cache.path), plan_path=plan.path)
+    logger = get_run_logger()
+    for line in report.lines():
+        logger.info(line)
+    create_markdown_artifact(
+        key="dry-run",
+        markdown="## Dry run: the layout train would launch\n\n```\n" + "\n".join(report.lines()) + "\n```\n",
+        description="topology, plan, SGLang pools and the memory estimate per GPU; nothing was launched",
+    )
+    return report.as_dict()
 
 
 @task(name="train", cache_key_fn=content_key("train", location=lambda p: p["run_dir"]), persist_result=True)

@@ -14,8 +14,9 @@ fake (``fixtures/fake_sglang.py``) both honour:
   rows, in lockstep (a collective over the island's TP group: :func:`check_lockstep` makes peers
   that disagree fail instead of hanging in the target's all-reduce);
 - it refuses, before any target work, what SGLang cannot run (:func:`check_engine_request`: a
-  row longer than the context, more rows or tokens than the pools hold) and a layer id SGLang
-  would silently skip (:func:`check_layer_ids`);
+  row longer than the context, more rows or tokens than the pools hold; :func:`check_engine_pools`
+  at start: pools SGLang shrank below one TP-wide batch) and a layer id SGLang would silently skip
+  (:func:`check_layer_ids`);
 - it returns a :class:`PackedCapture` of the rows in ``local`` only, packed without padding
   (``aux [Σℓ, K·Ht]`` in the order of ``layer_ids``, ``last [Σℓ, Ht]``, ``lengths``), in the row
   order of ``local``;
@@ -102,6 +103,21 @@ def check_engine_request(input_ids: Sequence[Sequence[int]], *, context_len: int
             f"{sum(lengths)} tokens exceed the engine's KV pool of {max_tokens}", where=where,
             fix=f"raise capture.sglang.max_total_tokens to ≥ {sum(lengths)} (or remove it), "
             "or capture.sglang.mem_fraction_static if SGLang shrank it",
+        )
+
+
+def check_engine_pools(*, rows: int, tokens: int, need_rows: int, need_tokens: int, where: str) -> None:
+    """Refuse an engine whose request slots (``rows``) or KV pool (``tokens``) cannot hold one TP-wide
+    batch of ``need_rows`` rows / ``need_tokens`` tokens: SGLang only warns when memory makes it
+    shrink them below ``max_running_requests`` / ``max_total_tokens``, and the first capture would
+    then fail. The seam calls this with the pools SGLang sized; the dry run with the sizes SGLang's
+    rule predicts."""
+    if rows < need_rows or tokens < need_tokens:
+        raise CaptureError(
+            f"the engine's pools hold {rows} requests / {tokens} tokens; one TP-wide batch needs "
+            f"{need_rows} / {need_tokens}",
+            where=where,
+            fix="raise capture.sglang.mem_fraction_static, or lower training.batch_size / data.max_length",
         )
 
 

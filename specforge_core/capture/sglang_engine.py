@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from specforge_core.capture.sglang_backend import (
-    PackedCapture, check_engine_request, check_layer_ids, check_lockstep,
+    PackedCapture, check_engine_pools, check_engine_request, check_layer_ids, check_lockstep,
 )
 from specforge_core.errors import CaptureError
 
@@ -218,15 +218,9 @@ class ModelRunnerEngine:
         runner.alloc_memory_pool()
         runner.init_attention_backends()
         runner.init_cuda_graphs()
-        need_rows, need_tokens = args.get("max_running_requests"), args.get("max_total_tokens")
-        if runner.max_running_requests < (need_rows or 0) or runner.max_total_num_tokens < (need_tokens or 0):
-            # SGLang only warns when it shrinks these to what memory allows
-            raise CaptureError(
-                f"SGLang sized its pools to {runner.max_running_requests} requests / {runner.max_total_num_tokens} "
-                f"tokens; one TP-wide batch needs {need_rows} / {need_tokens}",
-                where=f"sglang engine, rank {place.rank}",
-                fix="raise capture.sglang.mem_fraction_static, or lower training.batch_size / data.max_length",
-            )
+        check_engine_pools(rows=runner.max_running_requests, tokens=runner.max_total_num_tokens,
+                           need_rows=args.get("max_running_requests") or 0,
+                           need_tokens=args.get("max_total_tokens") or 0, where=f"sglang engine, rank {place.rank}")
         runner.model.set_eagle3_layers_to_capture(sorted(layer_ids))
         _install_capture_head(runner.model)
         tree_cache = ChunkCache(CacheInitParams(

@@ -81,7 +81,8 @@ class PromptCache:
 
 
 class ArrowRows:
-    """A prompt-cache split read with pyarrow: ``len(rows)``, ``rows[i]`` → ``{column: list}``."""
+    """A prompt-cache split read with pyarrow: ``len(rows)``, ``rows[i]`` → ``{column: list}``,
+    ``rows.column("length")``."""
 
     def __init__(self, path: Path):
         import pyarrow as pa
@@ -95,6 +96,10 @@ class ArrowRows:
     @property
     def num_rows(self) -> int:
         return self._table.num_rows
+
+    def column(self, name: str) -> np.ndarray:
+        """One column of scalars as a NumPy array (``length``: every row's token count)."""
+        return self._table.column(name).to_numpy()
 
     def __getitem__(self, index: int) -> dict:
         if not -len(self) <= index < len(self):

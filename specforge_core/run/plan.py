@@ -254,6 +254,23 @@ class PromptPlan:
             )
             yield IslandBatch(epoch=epoch, micro_step=micro, tasks=tasks, local=local)
 
+    def local_lengths(self, lengths) -> torch.Tensor:
+        """``[total_micro_steps, world_size, batch_size]``: the length of every sample each rank trains
+        in each micro-step, given every prompt's length (``lengths[i]`` of prompt ``i``). The same
+        assignment as :meth:`island_batches`, computed a whole epoch at a time (the dry run's
+        tokens per micro-step)."""
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        if lengths.shape != (self.dataset_size,):
+            raise ValueError(f"{tuple(lengths.shape)} lengths for a plan over {self.dataset_size} prompts")
+        islands, tp, batch = self.num_islands, self.tp_size, self.batch_size
+        steps: list[torch.Tensor] = []
+        for epoch in range(-(-self.total_micro_steps // self.micro_steps_per_epoch)):
+            kept = epoch_permutation(self.dataset_size, self.seed, epoch)[: self.prompts_per_epoch]
+            shards = kept.view(-1, islands).T  # row i = kept[i::islands], island i's shard in slot order
+            per_island = lengths[shards].view(islands, self.micro_steps_per_epoch, tp, batch)
+            steps.append(per_island.permute(1, 0, 2, 3).reshape(self.micro_steps_per_epoch, self.world_size, batch))
+        return torch.cat(steps)[: self.total_micro_steps]
+
     # ---- record ------------------------------------------------------------------------------
 
     def to_json(self) -> dict:

@@ -1,6 +1,7 @@
 """The run's topology: how the world of ranks splits into target islands, and where each rank sits.
 
     topo = Topology.from_config(cfg)                    # world from deployment.*, or world_size=N
+    topo = Topology.launched(cfg, world_size)           # refuses a launch of another size than the config's
     topo.num_islands, topo.island_batch_size            # W / tp, tp × batch_size
     place = topo.place(rank)                            # RankPlace(rank, island, tp_rank, island_ranks, local)
 
@@ -58,6 +59,19 @@ class Topology:
         config's ``deployment.nproc_per_node × nnodes``."""
         world = cfg.deployment.world_size if world_size is None else world_size
         return cls(world, cfg.capture.tp_size, cfg.training.batch_size)
+
+    @classmethod
+    def launched(cls, cfg, world_size: int) -> "Topology":
+        """The topology of a launch of ``world_size`` ranks (torchrun's world, or a dry run's
+        ``--world``): ConfigError naming ``deployment.nproc_per_node`` unless it is the config's."""
+        if world_size != cfg.deployment.world_size:
+            raise ConfigError(
+                f"{world_size} ranks are launched (torchrun's world, or a dry run's --world) but the config plans for "
+                f"{WORLD_FIELD} = {cfg.deployment.world_size}",
+                where="deployment.nproc_per_node",
+                fix=f"set deployment.nproc_per_node (× nnodes) to {world_size}, or launch that many ranks",
+            )
+        return cls.from_config(cfg, world_size)
 
     @property
     def num_islands(self) -> int:

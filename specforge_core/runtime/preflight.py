@@ -1,9 +1,10 @@
 """Preflight: what a run can check from configuration files alone, before it builds or writes anything.
 
     inputs = check_data_inputs(cfg)    # prepare: tokenizer, target vocab, draft vocab, a given vocab map
-    inputs = check_run_inputs(cfg)     # train: the same + target/draft/capture checks
+    inputs = check_target_files(cfg)   # train's checks that need no tokenizer (the dry run stops here)
+    inputs = check_run_inputs(cfg)     # train: check_target_files + the tokenizer + this node + the draft config
 
-Both load only the tokenizer and config files (the target's config.json, a given draft config, a
+They load only the tokenizer and config files (the target's config.json, a given draft config, a
 given vocab map): no weights, no data, nothing written. Every failure is a
 :class:`~specforge_core.errors.SpecForgeError` naming the field and the fix, so an entry point that
 calls these first refuses a mismatched model before a cache, plan or checkpoint exists.
@@ -12,11 +13,15 @@ calls these first refuses a mismatched model before a cache, plan or checkpoint 
 embedding (``len(tokenizer) ≤ V``); for a family with a draft vocabulary (EAGLE3),
 ``0 < draft.draft_vocab_size ≤ V`` and a ``draft.vocab_map_path`` fits V and Vd.
 
-``check_run_inputs`` adds: the colocated rules that need the target config
+``check_target_files`` (the target's config.json and the given draft files, no tokenizer): the
+family and the draft vocabulary as above; the colocated rules that need the target config
 (:func:`~specforge_core.capture.target_info.validate_colocated`: context headroom, plain logits, TP
 heads); the family's capture layer ids inside the target; a ``draft.config_path`` that fits the
-target and the run (the family's own check); the draft config the run will train, generated and
-checked; for ``capture.backend=sglang``: layer ids SGLang can capture, a GPU and the pinned SGLang.
+target and the run (the family's own check); for ``capture.backend=sglang``, layer ids SGLang can
+capture.
+
+``check_run_inputs`` adds: the tokenizer fits the target; for ``capture.backend=sglang``, a GPU and
+the pinned SGLang on this node; the draft config the run will train, generated and checked.
 """
 
 from dataclasses import dataclass
@@ -30,7 +35,7 @@ from specforge_core.errors import ModelError
 class CheckedInputs:
     """What preflight loaded, for the run to reuse instead of loading again."""
 
-    tokenizer: Any
+    tokenizer: Any  # None from check_target_files
     target_config: Any | None  # the target's full HF config; None when the run names no target
     vocab_size: int  # V: rows of the target's embedding
     family: Any = None  # the run's draft family (specforge_core.drafts)
@@ -38,14 +43,11 @@ class CheckedInputs:
     layer_ids: tuple[int, ...] = ()  # the target layers the draft reads
 
 
-def check_sglang_node(cfg, target_config, layer_ids) -> None:
-    """The in-process SGLang engine can run here: capturable layer ids, a GPU, the pinned SGLang."""
-    from specforge_core.capture.sglang_backend import check_layer_ids
+def check_sglang_node() -> None:
+    """The in-process SGLang engine can run on this node: a GPU and the pinned SGLang."""
     from specforge_core.capture.sglang_engine import require_sglang
     from specforge_core.errors import ConfigError
 
-    where = "draft.dflash.target_layer_ids" if cfg.draft.family == "dflash" else "model.capture_layer_ids"
-    check_layer_ids(layer_ids, text_config(target_config).num_hidden_layers, where=where)
     import torch
 
     if not torch.cuda.is_available():
@@ -66,10 +68,19 @@ def check_tokenizer_fits(cfg, tokenizer, V: int) -> None:
         )
 
 
+def check_draft_vocab(cfg, family, V: int) -> None:
+    """A family with a draft vocabulary: ``0 < Vd ≤ V``, and a given vocab map fits V and Vd."""
+    from specforge_core.data.vocab import check_vocab_sizes, load_vocab_map
+
+    if family.uses_vocab_map:
+        check_vocab_sizes(V, cfg.draft.draft_vocab_size)
+        if cfg.draft.vocab_map_path:
+            load_vocab_map(cfg.draft.vocab_map_path, V, cfg.draft.draft_vocab_size)
+
+
 def check_data_inputs(cfg) -> CheckedInputs:
     """Preflight of ``python -m specforge_core.prepare``; see the module docstring."""
     from specforge_core.data.tokenize import load_tokenizer
-    from specforge_core.data.vocab import check_vocab_sizes, load_vocab_map
     from specforge_core.drafts import get_family
 
     family = get_family(cfg.draft.family)
@@ -77,28 +88,43 @@ def check_data_inputs(cfg) -> CheckedInputs:
     target_config = load_target_config(cfg) if cfg.model.target else None
     V = int(text_config(target_config).vocab_size) if target_config is not None else len(tokenizer)
     check_tokenizer_fits(cfg, tokenizer, V)
-    if family.uses_vocab_map:
-        check_vocab_sizes(V, cfg.draft.draft_vocab_size)
-        if cfg.draft.vocab_map_path:
-            load_vocab_map(cfg.draft.vocab_map_path, V, cfg.draft.draft_vocab_size)
+    check_draft_vocab(cfg, family, V)
     return CheckedInputs(tokenizer=tokenizer, target_config=target_config, vocab_size=V, family=family)
+
+
+def check_target_files(cfg) -> CheckedInputs:
+    """Train's checks that need the target's config.json and the given draft files but no tokenizer;
+    see the module docstring. ``tokenizer`` and ``draft_config`` of the result are None."""
+    from specforge_core.capture.sglang_backend import check_layer_ids
+    from specforge_core.capture.target_info import validate_colocated
+    from specforge_core.drafts import get_family
+
+    family = get_family(cfg.draft.family)
+    target_config = load_target_config(cfg)  # ModelError naming model.target when there is none
+    V = int(text_config(target_config).vocab_size)
+    check_draft_vocab(cfg, family, V)
+    validate_colocated(cfg, target_config)
+    given = family.given_draft_config(cfg)
+    layer_ids = tuple(family.capture_layer_ids(cfg, target_config, given))
+    if given is not None:
+        family.check_draft_config(cfg, given, target_config, V)
+    if cfg.capture.backend == "sglang":
+        where = "draft.dflash.target_layer_ids" if cfg.draft.family == "dflash" else "model.capture_layer_ids"
+        check_layer_ids(layer_ids, text_config(target_config).num_hidden_layers, where=where)
+    return CheckedInputs(tokenizer=None, target_config=target_config, vocab_size=V, family=family,
+                         layer_ids=layer_ids)
 
 
 def check_run_inputs(cfg) -> CheckedInputs:
     """Preflight of ``python -m specforge_core.train``; see the module docstring."""
-    from specforge_core.capture.target_info import validate_colocated
+    from specforge_core.data.tokenize import load_tokenizer
 
-    inputs = check_data_inputs(cfg)
-    if inputs.target_config is None:
-        raise ModelError("no target model", where="model.target", fix="set model.target to a Hugging Face directory")
-    validate_colocated(cfg, inputs.target_config)
-    family = inputs.family
-    given = family.given_draft_config(cfg)
-    inputs.layer_ids = tuple(family.capture_layer_ids(cfg, inputs.target_config, given))
-    if given is not None:
-        family.check_draft_config(cfg, given, inputs.target_config, inputs.vocab_size)
+    inputs = check_target_files(cfg)
+    inputs.tokenizer = load_tokenizer(cfg)
+    check_tokenizer_fits(cfg, inputs.tokenizer, inputs.vocab_size)
     if cfg.capture.backend == "sglang":
-        check_sglang_node(cfg, inputs.target_config, inputs.layer_ids)
+        check_sglang_node()
     # the draft config the run will train (given, or generated from the target: its checks run here)
-    inputs.draft_config = family.draft_config(cfg, inputs.target_config, inputs.layer_ids, tokenizer=inputs.tokenizer)
+    inputs.draft_config = inputs.family.draft_config(cfg, inputs.target_config, inputs.layer_ids,
+                                                     tokenizer=inputs.tokenizer)
     return inputs

@@ -30,9 +30,10 @@ DATA_STAGES = {"prepare_prompt_cache", "build_vocab_map", "record_plan"}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """Server + pool + both deployments + one worker; all stopped when the module is done."""
+    """Server + pools + every deployment + one CPU worker; all stopped when the module is done."""
     with LocalPrefect(tmp_path_factory.mktemp("prefect-e2e-home")) as s:
         s.prefect("work-pool", "create", "colocated-pool", "--type", "process")
+        s.prefect("work-pool", "create", "gpu-pool", "--type", "process")  # the GPU recipes' (no worker here)
         s.deploy()
         s.start_worker("colocated-pool")
         yield s

@@ -1,4 +1,5 @@
-"""deployments/: prefect.yaml and the serve alternative describe the same two deployments."""
+"""deployments/: prefect.yaml and the serve alternative describe the same deployments: default and nightly
+on the CPU pool, one per GPU recipe (examples/gpu/) on the GPU pool."""
 
 from pathlib import Path
 
@@ -10,15 +11,29 @@ from specforge_core.config import RunConfig, load_config
 REPO = Path(__file__).resolve().parents[2]
 SPEC = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
 BY_NAME = {d["name"]: d for d in SPEC["deployments"]}
+RECIPES = {p.stem: p for p in (REPO / "examples" / "gpu").glob("*.yaml")}
 
 
-def test_there_are_a_default_and_a_nightly_deployment_of_colocated_train():
-    assert set(BY_NAME) == {"default", "nightly"}
+def test_there_are_default_nightly_and_one_deployment_per_gpu_recipe_of_colocated_train():
+    assert RECIPES and set(BY_NAME) == {"default", "nightly", *RECIPES}
     assert {d["entrypoint"] for d in BY_NAME.values()} == {"flows/colocated_train.py:colocated_train"}
 
 
-def test_both_run_on_the_process_pool_colocated_pool():
-    assert {d["work_pool"]["name"] for d in BY_NAME.values()} == {"colocated-pool"}
+def test_default_and_nightly_run_on_the_cpu_pool_the_recipes_on_the_gpu_pool():
+    assert {BY_NAME[n]["work_pool"]["name"] for n in ("default", "nightly")} == {"colocated-pool"}
+    assert {BY_NAME[n]["work_pool"]["name"] for n in RECIPES} == {"gpu-pool"}
+
+
+def test_each_gpu_deployment_runs_its_recipe():
+    for name, recipe in RECIPES.items():
+        assert RunConfig.model_validate(BY_NAME[name]["parameters"]["config"]) == load_config(recipe), name
+
+
+def test_a_multi_node_recipe_is_launched_once_per_node_by_its_deployment():
+    for name, recipe in RECIPES.items():
+        nodes = load_config(recipe).deployment.nnodes
+        prefix = BY_NAME[name]["work_pool"]["job_variables"]["env"].get("SPECFORGE_LAUNCH_PREFIX", "")
+        assert (f"--nodes={nodes}" in prefix) if nodes > 1 else prefix == "", name
 
 
 def test_flow_runs_start_in_the_directory_prefect_deploy_ran_in():

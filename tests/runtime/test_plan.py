@@ -110,6 +110,18 @@ def test_max_steps_beyond_the_data_adds_no_epochs():
     assert plan(max_steps=10_000).total_optimizer_steps == plan().total_optimizer_steps
 
 
+def test_local_lengths_are_the_lengths_of_each_ranks_samples_in_plan_order():
+    import torch
+
+    p = plan(max_steps=7)  # 4 steps per epoch: the horizon ends inside the second epoch
+    lengths = torch.randint(1, 1000, (p.dataset_size,), generator=torch.Generator().manual_seed(0))
+    got = p.local_lengths(lengths)
+    assert got.shape == (p.total_micro_steps, p.world_size, p.batch_size)
+    for rank in range(p.world_size):
+        for b in all_batches(p, rank):
+            assert got[b.micro_step, rank].tolist() == [int(lengths[t.prompt_index]) for t in b.local_tasks]
+
+
 def test_resume_from_a_sample_offset_yields_the_remaining_suffix():
     p = plan()
     full = all_batches(p, 3)

@@ -154,7 +154,7 @@ def test_world_size_other_than_the_config_is_refused_naming_the_field(workdir, t
     config = write_config(workdir, "mismatch", tiny_target_dir, deployment={"nproc_per_node": 2})
     assert main(["--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert "deployment.nproc_per_node" in err and "torchrun started 1 ranks" in err
+    assert "deployment.nproc_per_node" in err and "1 ranks are launched" in err
 
 
 def test_recorded_plan_of_another_config_is_refused(workdir, tiny_target_dir, tmp_path):

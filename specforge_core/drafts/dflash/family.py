@@ -76,6 +76,26 @@ class DFlashFamily:
             mask_token_id=mask, layer_types=d.layer_types, sliding_window=d.sliding_window,
         )
 
+    def tokenizer_token_ids(self, cfg) -> tuple[str, ...]:
+        given = cfg.draft.dflash.mask_token_id is not None or cfg.draft.config_path
+        return () if given else ("draft.dflash.mask_token_id",)
+
+    def activation_bytes(self, cfg, draft_config, *, tokens: int, samples: int) -> int:
+        """What one micro-step keeps for backward, at most: ``Q = samples × min(num_anchors,
+        tokens / samples) × block_size`` block queries, each saving every draft layer's activations
+        (``8H + 2·kv + 3I`` values) and its embedding, final norm and head inputs (``2H``); every
+        context token's ``fc`` and ``hidden_norm`` outputs (``2H``) and its keys and values in every
+        layer (``2·kv`` each); and the target-head cross-entropy's fp32 ``[2048, V]`` chunk with its
+        gradient (``objective.target_cross_entropy``)."""
+        c = 2 if cfg.training.param_dtype == "bfloat16" else 4  # bytes per value of the compute dtype
+        d = cfg.draft.dflash
+        h, i, layers = draft_config.hidden_size, draft_config.intermediate_size, draft_config.num_hidden_layers
+        kv = draft_config.num_key_value_heads * draft_config.head_dim
+        queries = samples * min(d.num_anchors, -(-tokens // samples)) * draft_config.block_size
+        per_query = (layers * (8 * h + 2 * kv + 3 * i) + 2 * h) * c
+        per_context = (2 * h + layers * 2 * kv) * c
+        return queries * per_query + tokens * per_context + 2 * 2048 * draft_config.vocab_size * 4
+
     def contract_fields(self, cfg) -> dict:
         d = cfg.draft.dflash
         return {"dflash.num_anchors": d.num_anchors, "dflash.loss_decay_gamma": d.loss_decay_gamma}

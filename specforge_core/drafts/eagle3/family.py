@@ -59,6 +59,24 @@ class Eagle3Family:
         return configs.draft_config_from_target(target_config, cfg.draft.draft_vocab_size, list(layer_ids),
                                                 fc_norm=cfg.draft.fc_norm)
 
+    def tokenizer_token_ids(self, cfg) -> tuple[str, ...]:
+        return ()  # the draft config needs no token id from the tokenizer
+
+    def activation_bytes(self, cfg, draft_config, *, tokens: int, samples: int) -> int:
+        """What one micro-step of ``tokens`` positions keeps for backward, at most: every TTT step
+        on every position, each saving its layer's activations (``8H + 2·kv + 3I`` values: norm
+        inputs, the 2H concat, q/k/v, attention and MLP inputs, gate/up/act), the final norm's and
+        lm_head's inputs (``2H``), its logits over Vd in the compute dtype and the teacher's
+        gathered fp32 ``[Vd]`` target; plus the teacher itself (fp32 ``[Vd]``) and ``fc``'s output
+        once. With ``training.compile`` the fused norms and MLP keep ``I + 4H`` values fewer per
+        step: the saving measured at the Qwen3-8B shape (docs/gpu.md compares both with the bench)."""
+        c = 2 if cfg.training.param_dtype == "bfloat16" else 4  # bytes per value of the compute dtype
+        h, i, vd = draft_config.hidden_size, draft_config.intermediate_size, draft_config.draft_vocab_size
+        kv = draft_config.num_key_value_heads * (draft_config.head_dim or h // draft_config.num_attention_heads)
+        layer = 10 * h + 2 * kv + 3 * i - (i + 4 * h if cfg.training.compile else 0)
+        per_step = (layer + vd) * c + 4 * vd
+        return tokens * (cfg.training.ttt_length * per_step + 4 * vd + h * c)
+
     def contract_fields(self, cfg) -> dict:
         # training.ttt_length and training.ploss_decay are in the trainer's own optimisation fields
         return {}
