@@ -32,7 +32,7 @@ from specforge_core.capture.packing import layout_for
 from specforge_core.capture.target_info import load_target_config, resolve_capture_layers, text_config, validate_colocated
 from specforge_core.runtime.device import resolve_dtype
 from specforge_core.runtime.compile import compile_pointwise
-from specforge_core.errors import ConfigError, ModelError
+from specforge_core.errors import ModelError
 
 
 class HFCaptureBackend:

@@ -21,7 +21,6 @@ stamp) so that a cache hit does not read the source again (see the function for 
 import datetime as _dt
 import hashlib
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass

@@ -22,7 +22,6 @@ next build of that key. Loading checks the ``.pt`` against the sidecar's sha256 
 import hashlib
 import io
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
