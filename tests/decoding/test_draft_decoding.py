@@ -152,7 +152,8 @@ def test_measure_reports_lossless_and_the_counts(tiny, tiny_tokenizer):
 
 
 @pytest.mark.slow
-def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_dir):
+@pytest.mark.parametrize("steps,topk,width", [(3, 1, 4), (5, 4, 8)])
+def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_dir, steps, topk, width):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -163,7 +164,8 @@ def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                for text in ("What is the capital of France?", "Write a haiku about rivers.", "Hi!")]
     plain = [decode(target, p, max_new_tokens=32, stop_ids=stops).tokens for p in prompts]
-    spec = decode_batch(target, prompts, max_new_tokens=32, stop_ids=stops, drafter=DraftRunner(draft), num_steps=3)
+    spec = decode_batch(target, prompts, max_new_tokens=32, stop_ids=stops, drafter=DraftRunner(draft),
+                        num_steps=steps, topk=topk, num_draft_tokens=width)
     assert [g.tokens for g in spec] == plain
 
 

@@ -225,7 +225,7 @@ class CopyingTreeDrafter:
             def children_of(path, truth=truth):
                 d = len(path)
                 right = truth[d] if list(path) == truth[:d] and d < len(truth) else None
-                wrong = [t for t in range(self.vocab - 1, -1, -1) if t != right][: topk]
+                wrong = [t for t in range(self.vocab - 1, self.vocab - 2 - topk, -1) if t != right][:topk]
                 if right is not None:
                     wrong.insert((self.round + d) % topk, right)
                 return list(zip(wrong[:topk], self.PROBS))
@@ -259,3 +259,22 @@ def test_a_copying_tree_draft_is_lossless_and_counted_by_its_accepted_path(
         assert g.emitted[:-1] == [a + 1 for a in g.accepted[:-1]]  # the last round may be cut at 30 tokens
         assert (g.num_steps, g.topk, g.num_draft_tokens) == (steps, topk, width)
     assert max(max(g.accepted) for g in spec) >= min(steps, 2)  # paths of several nodes were accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps,topk,width", [(5, 4, 8), (3, 2, 6)])
+def test_tree_decoding_on_smollm2_is_lossless_and_counted_by_its_accepted_path(smollm2_dir, steps, topk, width):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    target = _target(smollm2_dir)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for text in ("What is the capital of France?", "Write a haiku about rivers.", "Hi!")]
+    plain = decode_batch(target, prompts, max_new_tokens=40, stop_ids=set())
+    drafter = CopyingTreeDrafter([p + g.tokens for p, g in zip(prompts, plain)], vocab=len(tok),
+                                 num_draft_tokens=width)
+    spec = decode_batch(target, prompts, max_new_tokens=30, stop_ids=set(), drafter=drafter,
+                        num_steps=steps, topk=topk, num_draft_tokens=width)
+    assert [g.tokens for g in spec] == [g.tokens[:30] for g in plain]
+    assert [g.accepted for g in spec] == drafter.expected
