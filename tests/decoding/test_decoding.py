@@ -102,7 +102,7 @@ def test_rejected_tokens_are_never_seen_again(tiny):
     model, target, prompt = tiny
     target.start([prompt, prompt])
     target.forward([[7, 8, 9], [7, 8, 9]])
-    target.reject(0, 2)
+    target.keep_path(0, [0])
     after = target.forward([[11], [11]])
     assert target.lengths.tolist() == [len(prompt) + 2, len(prompt) + 4]
     fresh = target.start([prompt + [7, 11]])

@@ -9,6 +9,7 @@ from specforge_core.decoding.acceptance import AcceptanceStats
 from specforge_core.drafts.eagle3.decoding import DraftRunner
 from specforge_core.decoding.measure import measure_acceptance
 from specforge_core.decoding.speculative import decode, decode_batch
+from specforge_core.decoding.tree import DraftTree, select_tree
 from specforge_core.decoding.verifier import DecodingTarget
 from specforge_core.drafts.eagle3.config import draft_config_from_target
 from specforge_core.drafts.eagle3.model import Eagle3DraftModel
@@ -151,7 +152,8 @@ def test_measure_reports_lossless_and_the_counts(tiny, tiny_tokenizer):
 
 
 @pytest.mark.slow
-def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_dir):
+@pytest.mark.parametrize("steps,topk,width", [(3, 1, 4), (5, 4, 8)])
+def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_dir, steps, topk, width):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -162,7 +164,8 @@ def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                for text in ("What is the capital of France?", "Write a haiku about rivers.", "Hi!")]
     plain = [decode(target, p, max_new_tokens=32, stop_ids=stops).tokens for p in prompts]
-    spec = decode_batch(target, prompts, max_new_tokens=32, stop_ids=stops, drafter=DraftRunner(draft), num_steps=3)
+    spec = decode_batch(target, prompts, max_new_tokens=32, stop_ids=stops, drafter=DraftRunner(draft),
+                        num_steps=steps, topk=topk, num_draft_tokens=width)
     assert [g.tokens for g in spec] == plain
 
 
@@ -204,3 +207,95 @@ def test_on_smollm2_the_draft_fed_at_decode_equals_the_training_unroll_on_captur
         train = unrolled[k][0, [n - 1 for n in ends]]
         torch.testing.assert_close(steps[k], train, rtol=1e-5, atol=2e-4)  # seen: 4e-5
         assert torch.equal(draft.compute_logits(steps[k]).argmax(-1), draft.compute_logits(train).argmax(-1))
+
+
+# ---- tree drafting (topk > 1) ------------------------------------------------------------------------
+
+def _path(candidates, c):
+    tokens, parents, _ = candidates
+    path = []
+    while c != -1:
+        path.append(tokens[c])
+        c = parents[c]
+    return path[::-1]
+
+
+def test_every_tree_candidate_is_scored_as_the_chain_along_its_own_path(tiny, tiny_tokenizer):
+    """Each candidate's score is the product of the draft probabilities a chain fed with its path
+    gives, a node's children are the topk tokens there, and each step expands the previous
+    step's topk best: the tree is the chain's feeding along every path (own ancestors only)."""
+    model, target, prompt = tiny
+    draft = _draft(model, draft_vocab_size=64, seed=4)
+    to_draft = {int(i + draft.d2t[i]): i for i in range(64)}
+    prompts = [prompt, _prompt(tiny_tokenizer, "name three rivers")]
+    starts = [target.start([p]) for p in prompts]
+    rows = [(p[1:] + s.greedy[0], s.aux[0]) for p, s in zip(prompts, starts)]
+    batch = DraftRunner(draft)
+    batch.extend(rows)
+    steps, topk = 3, 3
+    for r, candidates in enumerate(batch.propose_tree(steps, topk)):
+        tokens, parents, scores = candidates
+        assert len(tokens) == topk + (steps - 1) * topk * topk
+        alone = DraftRunner(draft)
+        alone.extend([rows[r]])
+        for c in range(len(tokens)):
+            path = _path(candidates, c)
+            hidden = alone.round_hidden_states([path[:-1]])
+            with torch.no_grad():
+                probs = [torch.softmax(draft.compute_logits(h[0]).float(), -1) for h in hidden]
+            chained = torch.tensor([p[to_draft[t]] for p, t in zip(probs, path)]).prod().item()
+            assert scores[c] == pytest.approx(chained, rel=1e-4)
+            brothers = [tokens[s] for s in range(len(tokens)) if parents[s] == parents[c]]
+            top = probs[-1].topk(topk).indices  # the parent's children: its topk draft tokens
+            assert brothers == [int(i + draft.d2t[i]) for i in top]
+        for i in range(1, steps):  # step i expands the topk best of step i-1
+            before = range(topk + (i - 2) * topk * topk, topk + (i - 1) * topk * topk) if i > 1 else range(topk)
+            best = sorted(before, key=lambda c: -scores[c])[:topk]
+            step_i = range(topk + (i - 1) * topk * topk, topk + i * topk * topk)
+            assert sorted({parents[c] for c in step_i}) == sorted(best)
+
+
+@pytest.mark.parametrize("num_steps", [1, 3, 5])
+def test_tree_drafting_at_topk_1_is_chain_drafting(tiny, tiny_tokenizer, num_steps):
+    """The draft half of "tree drafting at topk 1 is chain drafting" (the target half is in
+    test_tree.py): the tree of topk-1 candidates is the chain ``propose`` drafts, for ragged rows."""
+    model, target, prompt = tiny
+    draft = _draft(model, draft_vocab_size=128, seed=5)
+    prompts = [prompt, _prompt(tiny_tokenizer, "hi"), _prompt(tiny_tokenizer, "tell me a story about a river")]
+    runner = DraftRunner(draft)
+    runner.extend([(p[1:] + s.greedy[0], s.aux[0]) for p, s in ((p, target.start([p])) for p in prompts)])
+    runner.extend([([5, 9, 7][: n], torch.randn(n, 3 * model.config.hidden_size)) for n in (1, 3, 2)])
+    trees = [select_tree(0, c, num_steps + 1) for c in runner.propose_tree(num_steps, 1)]
+    assert trees == [DraftTree.chain(0, chain) for chain in runner.propose(num_steps)]
+
+
+SETTINGS = [(5, 4, 8), (3, 2, 6), (2, 3, 7), (6, 2, 12)]  # (5, 4, 8): SGLang 0.5.14's default for Llama targets
+
+
+@pytest.mark.parametrize("arch_dir", ["tiny_target_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("steps,topk,width", SETTINGS)
+def test_a_random_draft_is_lossless_with_trees(request, tiny_tokenizer, arch_dir, steps, topk, width):
+    model, target = _target(request.getfixturevalue(arch_dir))
+    draft = _draft(model, draft_vocab_size=128, seed=steps)
+    prompts = [_prompt(tiny_tokenizer, text) for text in ("what is the capital of France", "tell me a story")]
+    plain = decode_batch(target, prompts, max_new_tokens=32, stop_ids={2})
+    spec = decode_batch(target, prompts, max_new_tokens=32, stop_ids={2}, drafter=DraftRunner(draft),
+                        num_steps=steps, topk=topk, num_draft_tokens=width)
+    assert [g.tokens for g in spec] == [g.tokens for g in plain]
+
+
+def test_a_draft_that_always_agrees_is_accepted_along_its_first_branch(tiny_target_dir, tiny_tokenizer):
+    """Target and draft both always choose token 0; the draft's probabilities are all 1/V, so at
+    (5, 4, 8) the tree holds the root's 4 children (tokens 0..3) and the first 3 children
+    (0, 1, 2) of its first child: every round accepts 0, 0 (positions 1 and 5) plus the bonus."""
+    model, target = _target(tiny_target_dir, greedy_is_always_zero=True)
+    draft = _draft(model)
+    torch.nn.init.zeros_(draft.norm.weight)
+    n = 1 + 3 * 4 + 1  # the prefill token, 4 full rounds, 1 token more
+    gen = decode(target, _prompt(tiny_tokenizer), max_new_tokens=n, stop_ids=set(), drafter=DraftRunner(draft),
+                 num_steps=5, topk=4, num_draft_tokens=8)
+    assert gen.tokens == [0] * n
+    assert gen.accepted == [2] * 5 and gen.emitted == [3, 3, 3, 3, 1]
+    chain = decode(target, _prompt(tiny_tokenizer), max_new_tokens=n, stop_ids=set(), drafter=DraftRunner(draft),
+                   num_steps=5)
+    assert chain.accepted == [5, 5, 5] and chain.emitted == [6, 6, 1]  # the same scale: drafts agreed with per pass

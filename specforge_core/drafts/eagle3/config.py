@@ -9,8 +9,9 @@ optional ``fc_norm``). It works for Llama, Qwen2, Qwen3 and Mistral-style target
 copied as transformers 5 ``rope_parameters`` (legacy ``rope_theta``/``rope_scaling`` are read too)
 and evaluated later by transformers' own RoPE code, so the draft rotates exactly like the target.
 
-``serving_config_dict`` is the ``config.json`` an export writes: what SGLang and vLLM read
-(``architectures: [LlamaForCausalLMEagle3]``, both RoPE field forms, capture layer ids).
+``serving_config_dict`` is the draft config as SGLang and vLLM read it (``architectures:
+[LlamaForCausalLMEagle3]``, both RoPE field forms, capture layer ids); ``vllm_layer_ids`` gives
+the capture ids in vLLM's numbering, which an export writes beside them.
 """
 
 import copy
@@ -167,6 +168,7 @@ def draft_config_from_dict(data: dict, where: str = "draft config") -> LlamaConf
             where=f"{where}: num_hidden_layers",
             fix="set num_hidden_layers to 1",
         )
+    _drop_vllm_layer_ids(data, where)
     rope = rope_parameters_of(data, where=f"{where}: rope_parameters")
     for legacy in ("rope_scaling", "rope_theta", "rope_parameters", "torch_dtype", "dtype"):
         data.pop(legacy, None)
@@ -185,6 +187,30 @@ def draft_config_from_dict(data: dict, where: str = "draft config") -> LlamaConf
         return LlamaConfig.from_dict(data)
     except (TypeError, ValueError) as exc:
         raise ModelError(f"invalid draft config: {exc}", where=where, fix="correct the field named above") from exc
+
+
+def vllm_layer_ids(capture_layer_ids: list[int]) -> list[int]:
+    """Our capture ids in vLLM's and speculators' numbering: our id k is the output of decoder
+    layer k (SGLang's numbering), theirs the residual stream entering a layer, so k + 1."""
+    return [k + 1 for k in capture_layer_ids]
+
+
+def _drop_vllm_layer_ids(data: dict, where: str) -> None:
+    """Remove the top-level ``eagle_aux_hidden_state_layer_ids`` an export writes for vLLM (ours + 1,
+    derived again on every export); ModelError when it disagrees with ``eagle_config`` or stands
+    alone, since the trained ids would then be unknown."""
+    top = data.pop("eagle_aux_hidden_state_layer_ids", None)
+    if top is None:
+        return
+    ids = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None or vllm_layer_ids(ids) != list(top):
+        raise ModelError(
+            f"top-level eagle_aux_hidden_state_layer_ids {top} (vLLM's numbering: the input of layer k) "
+            f"does not match eagle_config.eagle_aux_hidden_state_layer_ids {ids} (the output of layer k) + 1",
+            where=f"{where}: eagle_aux_hidden_state_layer_ids",
+            fix=f"set eagle_config.eagle_aux_hidden_state_layer_ids to {[k - 1 for k in top]} (the same layers in "
+            "our numbering) and remove the top-level field, or remove the top-level field if eagle_config is right",
+        )
 
 
 def load_draft_config(path: str | Path) -> LlamaConfig:
@@ -212,6 +238,8 @@ def serving_config_dict(config: LlamaConfig, dtype: str | None = None) -> dict:
     Both RoPE forms are written: transformers-5 ``rope_parameters`` and legacy top-level
     ``rope_theta`` + ``rope_scaling`` (``null`` for default RoPE, else the scaling dict without
     the theta). ``dtype`` (e.g. ``"bfloat16"``) is written as ``torch_dtype`` and ``dtype``.
+    This dict is also what checkpoints store and the resume contract hashes; the export adds the
+    vLLM-numbered ids (``serving.export_draft``).
     """
     out = config.to_dict()
     rope = rope_parameters_of(out)
@@ -224,6 +252,7 @@ def serving_config_dict(config: LlamaConfig, dtype: str | None = None) -> dict:
     legacy = {k: v for k, v in rope.items() if k != "rope_theta"}
     out["rope_scaling"] = None if rope["rope_type"] == "default" else legacy
     out["num_aux_hidden_states"] = NUM_AUX_HIDDEN_STATES
+    out.pop("eagle_aux_hidden_state_layer_ids", None)  # vLLM's copy, derived by the export alone
     out.pop("_name_or_path", None)
     if dtype is not None:
         out["torch_dtype"] = dtype

@@ -13,11 +13,20 @@ feeds it at decode time:
   away after the round.
 - A draft token is ``argmax lm_head(norm(h))`` over the draft vocabulary, mapped to the target
   vocabulary with ``d2t`` (``target = d + d2t[d]``).
+- **Tree drafting** (``propose_tree``, topk > 1, SGLang's EAGLE tree): the same steps, with the
+  ``topk`` most probable tokens of a node as its children. Step 0 takes the topk tokens after the
+  last step-0 row; each later step feeds the ``topk`` best nodes so far (by the product of the
+  draft probabilities along their path, the frontier) as new rows at RoPE position
+  ``p_last + depth``, each with its parent's pre-norm output and attending to the step-0 rows, its
+  own ancestors in the round and itself — the chain's pattern along every path — and proposes
+  their topk children. With topk = 1 it is the chain ``propose`` drafts.
 
-``DraftRunner`` implements ``decoding.speculative.Drafter`` for a batch of sequences.
+``DraftRunner`` implements ``decoding.speculative.TreeDrafter`` for a batch of sequences.
 """
 
 import torch
+
+from specforge_core.errors import ConfigError
 
 
 class DraftRunner:
@@ -97,6 +106,62 @@ class DraftRunner:
             for c, t in zip(chains, self._to_target_ids(hidden)):
                 c.append(t)
         return chains
+
+    def _top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` most probable draft tokens after each pre-norm output ``[..., H]``: their
+        probabilities (fp32 softmax over the draft vocabulary) and target ids, ``[..., k]`` each,
+        most probable first; ties go to the lower draft id, so ``k = 1`` is ``propose``'s argmax."""
+        logits = self.draft.compute_logits(hidden)
+        d = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k]
+        probs = torch.softmax(logits.float(), dim=-1).gather(-1, d)
+        return probs, d + self.draft.d2t[d]
+
+    @torch.inference_mode()
+    def propose_tree(self, num_steps: int, topk: int) -> list[tuple[list[int], list[int], list[float]]]:
+        """Per batch row, the candidates of ``num_steps`` tree steps: ``(tokens, parents, scores)``.
+
+        Candidate c is target id ``tokens[c]``, a child of candidate ``parents[c]`` (-1: of the
+        pending token), scored by the product of the draft probabilities along its path. Step 0
+        lists the pending token's ``topk`` children; step i >= 1 the ``topk`` children of each of
+        step i-1's ``topk`` best candidates (``topk²``), so there are ``topk + (num_steps-1)·topk²``
+        and a parent is listed before its children. ``decoding.tree.select_tree`` picks the tree.
+        """
+        self._check_started()
+        if not 1 <= topk <= self.draft.draft_vocab_size or num_steps < 1:
+            raise ConfigError(f"topk={topk}, num_steps={num_steps} for a draft vocabulary of "
+                              f"{self.draft.draft_vocab_size}", where="topk",
+                              fix="use num_steps >= 1 and topk between 1 and the draft vocabulary size")
+        b, width = self.last_hidden.shape[0], self.last_hidden.shape[-1]
+        probs, ids = self._top(self.last_hidden[:, 0], topk)  # [b, topk]
+        tokens, parents, scores = [ids], [torch.full_like(ids, -1)], [probs]
+        frontier = torch.arange(topk, device=self.device).expand(b, topk)  # candidate index of each node fed next
+        front_scores, front_tokens = probs, ids
+        hidden = self.last_hidden.expand(b, topk, width)  # the parent's pre-norm output for each fed node
+        round_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # this round's rows, [b, nkv, R, hd]
+        ancestors = torch.zeros(b, topk, 0, dtype=torch.bool, device=self.device)  # fed node x round row
+        own = torch.eye(topk, dtype=torch.bool, device=self.device).expand(b, topk, topk)
+        for i in range(1, num_steps):
+            cache = self.cache if round_kv is None else tuple(torch.cat(p, 2) for p in zip(self.cache, round_kv))
+            mask = torch.cat([self.live[:, None].expand(b, topk, -1), ancestors, own], dim=-1)
+            positions = (self.lengths - 1 + i)[:, None].expand(b, topk)
+            out, kv = self.draft.step(front_tokens, hidden, positions, past_key_values=cache, attention_mask=mask)
+            rows_before = ancestors.shape[-1]
+            round_kv = kv if round_kv is None else tuple(torch.cat(p, 2) for p in zip(round_kv, kv))
+            child_p, child_ids = self._top(out, topk)  # [b, topk fed, topk children]
+            expanded = (front_scores[:, :, None] * child_p).flatten(1)  # [b, topk²]
+            tokens.append(child_ids.flatten(1))
+            parents.append(frontier.repeat_interleave(topk, dim=1))
+            scores.append(expanded)
+            best = torch.sort(expanded, dim=-1, descending=True, stable=True).indices[:, :topk]
+            fed = best // topk  # the parent of each new frontier node, as a row of this step
+            frontier = topk + (i - 1) * topk * topk + best
+            front_scores, front_tokens = expanded.gather(1, best), tokens[-1].gather(1, best)
+            hidden = out.gather(1, fed[..., None].expand(-1, -1, width))
+            parent_rows = torch.nn.functional.one_hot(rows_before + fed, rows_before + topk).bool()
+            inherited = ancestors.gather(1, fed[..., None].expand(-1, -1, rows_before))
+            ancestors = torch.cat([inherited, own.new_zeros(b, topk, topk)], dim=-1) | parent_rows
+        flat = [torch.cat(part, dim=1).tolist() for part in (tokens, parents, scores)]
+        return list(zip(*flat))
 
     @torch.inference_mode()
     def round_hidden_states(self, tokens: list[list[int]]) -> list[torch.Tensor]:

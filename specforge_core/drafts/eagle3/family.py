@@ -3,8 +3,8 @@
 One decoder layer over the target's token embedding and three captured target layers, a
 reduced draft vocabulary (d2t/t2d), trained by the unrolled training-time-test objective
 (``objective.py``) against the target's own next-token distribution; exported in the layout
-SGLang's and vLLM's EAGLE3 loaders read (``serving.py``); decoded by chained draft steps
-(``decoding.py``). The run config's ``draft.*`` fields (``draft_vocab_size``, ``fc_norm``,
+SGLang's and vLLM's EAGLE3 loaders read (``serving.py``) and in vLLM's native speculators
+layout (``speculators_format.py``); decoded by chained or tree draft steps (``decoding.py``). The run config's ``draft.*`` fields (``draft_vocab_size``, ``fc_norm``,
 ``attention_backend``, ``config_path``, ``init_from``) and ``training.ttt_length`` /
 ``training.ploss_decay`` are this family's.
 """
@@ -125,6 +125,13 @@ class Eagle3Family:
 
     def load_export(self, directory: Path) -> Eagle3DraftModel:
         return serving.load_exported_draft(directory)
+
+    def export_speculators(self, draft, out_dir: Path, *, target_dir, verifier=None, speculative_tokens: int = 3,
+                           dtype: str = "keep") -> Path:
+        from specforge_core.drafts.eagle3.speculators_format import export_speculators
+
+        return export_speculators(draft, out_dir, target_dir=target_dir, verifier=verifier,
+                                  speculative_tokens=speculative_tokens, dtype=dtype)
 
     # ---- decoding ----------------------------------------------------------------------------------
 

@@ -9,7 +9,11 @@ The serving directory holds exactly the serving keys: ``fc``, ``midlayer.*`` (SG
 id minus draft id) and ``t2d`` bool ``[V]``; no embedding (the server shares the target's) and no
 trainer prefixes. SGLang skips unknown weight names silently and leaves the missing ones random,
 so a missing, unexpected or misshapen key is refused here before anything is written. Directories
-are written atomically. docs/export.md has the config fields.
+are written atomically. The exported ``config.json`` records the capture ids twice:
+``eagle_config.eagle_aux_hidden_state_layer_ids`` as trained (SGLang reads only these) and a
+top-level ``eagle_aux_hidden_state_layer_ids`` one higher (vLLM's numbering: vLLM reads only that
+field, and without it uses its default ids, right only when the draft was trained on the default
+ones). docs/export.md has the config fields.
 
 Also here, so the format lives in one place: ``load_draft_from_files`` (what checkpoints store)
 and ``warm_start_draft`` (start training from an export; its vocab map is kept and a different
@@ -27,7 +31,12 @@ from specforge_core.errors import CheckpointError, ModelError
 from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_directory
 from specforge_core.runtime.checkpoint import DRAFT_CONFIG as CHECKPOINT_CONFIG
 from specforge_core.runtime.checkpoint import DRAFT_WEIGHTS as CHECKPOINT_WEIGHTS
-from specforge_core.drafts.eagle3.config import capture_layer_ids_of, draft_config_from_dict, serving_config_dict
+from specforge_core.drafts.eagle3.config import (
+    capture_layer_ids_of,
+    draft_config_from_dict,
+    serving_config_dict,
+    vllm_layer_ids,
+)
 from specforge_core.drafts.eagle3.model import EMBEDDING_KEY, Eagle3DraftModel
 
 EXPORT_CONFIG, EXPORT_WEIGHTS = "config.json", "model.safetensors"
@@ -160,12 +169,17 @@ def export_draft(model: Eagle3DraftModel, out_dir: str | Path, dtype: str = "kee
         raise CheckpointError(
             "the export directory holds other files", where=str(out), fix="choose an empty or new --out directory"
         )
+    ids = capture_layer_ids_of(model.config)
+    # vLLM reads only a top-level copy, in its own numbering, and uses its default ids without one
+    for_vllm = {} if ids is None else {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(ids)}
     with staged_directory(out, replace=True) as stage:
-        _write_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype=None if dtype == "keep" else DTYPES[dtype])
+        _write_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype=None if dtype == "keep" else DTYPES[dtype],
+                    extra=for_vllm)
     return out
 
 
-def _write_pair(model, directory: Path, config_name: str, weights_name: str, dtype, state_dict=None) -> None:
+def _write_pair(model, directory: Path, config_name: str, weights_name: str, dtype, state_dict=None,
+                extra: dict | None = None) -> None:
     source = model.draft_state_dict() if state_dict is None else state_dict
     state = {}
     for key, tensor in source.items():
@@ -179,7 +193,7 @@ def _write_pair(model, directory: Path, config_name: str, weights_name: str, dty
     if len(floats) != 1:
         raise ModelError(f"draft parameters mix dtypes {sorted(map(str, floats))}", where="draft model",
                          fix="cast all draft parameters to one dtype before saving")
-    config = serving_config_dict(model.config, dtype=str(floats.pop()).removeprefix("torch."))
+    config = serving_config_dict(model.config, dtype=str(floats.pop()).removeprefix("torch.")) | (extra or {})
     atomic_write_bytes(directory / weights_name, save(state, metadata={"format": "pt"}))
     atomic_write_json(directory / config_name, config, sort_keys=True)
 

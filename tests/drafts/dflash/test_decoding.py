@@ -11,6 +11,7 @@ from specforge_core.drafts.dflash.model import dense_attend
 from specforge_core.drafts.dflash.objective import build_blocks, dense_masks
 from specforge_core.decoding.speculative import decode_batch
 from specforge_core.decoding.verifier import DecodingTarget
+from specforge_core.errors import ConfigError
 from tests.drafts.dflash.fixtures import MASK, target_config, tiny_draft
 
 BLOCK = 4
@@ -122,3 +123,11 @@ def test_a_draft_that_agrees_with_the_target_is_accepted_whole_blocks():
     for g in spec:
         assert g.tokens == [0] * 12
         assert g.accepted == [BLOCK - 1] * 3 and g.emitted == [BLOCK, BLOCK, 3]
+
+
+def test_tree_drafting_is_refused_for_a_dflash_draft_before_any_forward(target):
+    draft = tiny_draft(seed=5, block_size=BLOCK).eval()
+    with pytest.raises(ConfigError, match="DFlashDrafter drafts one chain per verify pass") as e:
+        decode_batch(None, PROMPTS, max_new_tokens=12, stop_ids=set(), drafter=_drafter(draft, target),
+                     num_steps=BLOCK - 1, topk=2, num_draft_tokens=6)
+    assert e.value.where == "topk" and "use topk 1" in e.value.fix

@@ -17,6 +17,7 @@ from specforge_core.drafts.eagle3.serving import (
     serving_keys,
     warm_start_draft,
 )
+from specforge_core.drafts.eagle3.config import draft_config_from_dict
 from specforge_core.export import main
 from specforge_core.drafts.eagle3 import eagle3_loss
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
@@ -55,11 +56,31 @@ def test_export_config_has_the_serving_fields(tmp_path):
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert (config["num_hidden_layers"], config["vocab_size"], config["draft_vocab_size"]) == (1, 24, 12)
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's numbering: one higher
     assert config["rope_parameters"] == YARN and config["rope_theta"] == 1e6
     assert config["rope_scaling"] == {k: v for k, v in YARN.items() if k != "rope_theta"}
     assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "bfloat16"
     assert (config["head_dim"], config["num_key_value_heads"], config["target_hidden_size"]) == (8, 2, 24)
     assert AutoConfig.from_pretrained(out).rope_parameters == YARN  # what transformers-based loaders read
+
+
+def test_the_top_level_ids_follow_the_trained_ids_never_a_stale_copy(tmp_path):
+    draft = tiny_draft()
+    draft.config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [0, 2, 5]}
+    draft.config.eagle_aux_hidden_state_layer_ids = [9, 9, 9]  # e.g. read back from an older export
+    config = json.loads((export_draft(draft, tmp_path / "out") / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
+    assert load_exported_draft(tmp_path / "out").config.eagle_config == config["eagle_config"]
+
+
+@pytest.mark.parametrize("eagle_config", [None, {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}])
+def test_a_draft_config_whose_vllm_ids_disagree_with_the_trained_ones_is_refused(tmp_path, eagle_config):
+    config = json.loads((export_draft(tiny_draft(), tmp_path / "out") / "config.json").read_text())
+    config["eagle_config"] = eagle_config  # the top-level ids stay [2, 4, 5]
+    with pytest.raises(ModelError, match="eagle_aux_hidden_state_layer_ids") as e:
+        draft_config_from_dict(config, where="draft.json")
+    assert "set eagle_config.eagle_aux_hidden_state_layer_ids to [1, 3, 4]" in e.value.fix
 
 
 def test_export_refuses_a_missing_key_and_writes_nothing(tmp_path):

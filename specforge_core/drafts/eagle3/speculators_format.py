@@ -1,0 +1,155 @@
+"""The EAGLE3 draft in vLLM's native ``speculators`` layout (checked against speculators 0.9.0).
+
+    export_speculators(model, "drafts/demo-vllm", target_dir="models/target")   # config.json + model.safetensors
+    vllm serve drafts/demo-vllm        # the config names the verifier and the speculative tokens
+
+``config.json`` is a speculators ``Eagle3SpeculatorConfig``:
+
+- ``speculators_model_type: eagle3`` (how speculators and vLLM recognise the format),
+  ``architectures: [Eagle3DraftModel]`` (what speculators' own ``save_pretrained`` writes);
+- ``speculators_config``: algorithm ``eagle3``, one ``greedy`` proposal method whose
+  ``speculative_tokens`` vLLM takes as ``num_speculative_tokens``, and the ``verifier``'s name or
+  path and architectures (speculators loads the verifier's config and head from there);
+- ``transformer_layer_config``: the draft's decoder layer as a Llama config (one layer, the target
+  vocabulary, ``head_dim`` written out, RoPE as trained): vLLM builds the draft model from it;
+- ``draft_vocab_size``, ``target_hidden_size``, ``fc_norm``; ``norm_before_residual: false`` (our
+  residual is the un-normed hidden; vLLM assumes true when the field is absent),
+  ``norm_before_fc: false`` and ``norm_output: false`` (speculators' ``norm_output`` is Eagle 3.1's
+  post-norm feedback, not SGLang's field of the same name);
+- ``eagle_aux_hidden_state_layer_ids`` at the top level, in vLLM's numbering: our capture id k is
+  the output of decoder layer k, vLLM's id j the residual stream entering layer j, so j = k + 1
+  (``vllm_layer_ids``); vLLM reads this field as it is and uses its own default without it.
+
+``model.safetensors`` holds the serving tensors with ``midlayer.*`` renamed ``layers.0.*``, ``d2t``
+and ``t2d`` unchanged, and a copy of the target's input embedding as ``embed_tokens.weight`` (as
+speculators writes it; vLLM shares the target's when the copy is equal, and speculators 0.9.0's
+loader leaves a missing embedding uninitialised under transformers 5). docs/export.md.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+from specforge_core.drafts.eagle3.config import capture_layer_ids_of, serving_config_dict, vllm_layer_ids
+from specforge_core.drafts.eagle3.model import EMBEDDING_KEY, Eagle3DraftModel, read_target_embedding
+from specforge_core.drafts.eagle3.serving import DTYPES, check_serving_state
+from specforge_core.errors import CheckpointError, ModelError
+from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_directory
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout is tested against
+SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+# Fields of the exported draft config that make up the decoder layer's config.
+_LAYER_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "max_position_embeddings", "rms_norm_eps", "initializer_range", "pad_token_id",
+    "bos_token_id", "eos_token_id", "rope_parameters", "rope_theta", "rope_scaling",
+)
+
+
+def speculators_key(key: str) -> str:
+    """A serving key's name in the speculators checkpoint (``midlayer.`` becomes ``layers.0.``)."""
+    return "layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key
+
+
+def speculators_config(config, *, verifier: str, verifier_architectures: list[str], speculative_tokens: int,
+                       dtype: str) -> dict:
+    """The speculators ``config.json`` of a draft config (a ``LlamaConfig``), weights in ``dtype``."""
+    ids = capture_layer_ids_of(config)
+    if ids is None:
+        raise ModelError("the draft config records no capture layer ids", where="draft config: eagle_config",
+                         fix="export a checkpoint whose draft_config.json has "
+                         "eagle_config.eagle_aux_hidden_state_layer_ids (every checkpoint this trainer writes has)")
+    served = serving_config_dict(config, dtype=dtype)
+    layer = {k: served[k] for k in _LAYER_FIELDS if k in served}
+    layer.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1, attention_bias=False,
+                 mlp_bias=False, tie_word_embeddings=False, torch_dtype=dtype, dtype=dtype)
+    return {
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": served["draft_vocab_size"],
+        "target_hidden_size": served["target_hidden_size"],
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": bool(served.get("fc_norm", False)),
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(ids),
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+def _target_architectures(target_dir: Path) -> list[str]:
+    path = target_dir / "config.json"
+    try:
+        architectures = json.loads(path.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelError(f"cannot read the target's config ({e})", where=str(path),
+                         fix="give --target the local Hugging Face directory of the target the draft was trained on") from None
+    if not architectures:
+        raise ModelError("the target's config names no architectures", where=f"{path}: architectures",
+                         fix="give --target a Hugging Face model directory whose config.json has architectures")
+    return list(architectures)
+
+
+def export_speculators(model: Eagle3DraftModel, out_dir: str | Path, *, target_dir: str | Path,
+                       verifier: str | None = None, speculative_tokens: int = 3, dtype: str = "keep") -> Path:
+    """Write the speculators layout of ``model`` into ``out_dir`` (atomically; ``out_dir`` must be
+    absent, empty or a previous export).
+
+    ``target_dir``: the local target directory the draft was trained on (its input embedding is
+    copied in, its ``architectures`` recorded); ``verifier``: the name or path written as
+    ``speculators_config.verifier.name_or_path`` (default ``target_dir``; a hub id when the server
+    loads the target from there); ``speculative_tokens``: vLLM's default ``num_speculative_tokens``.
+    Raises ModelError before writing anything when the weights are not exactly the serving key set,
+    the embedding does not fit, or the target's config is unreadable.
+    """
+    if dtype != "keep" and dtype not in DTYPES:
+        raise ModelError(f"unknown export dtype {dtype!r}", where="--dtype", fix=f"use keep or one of {', '.join(DTYPES)}")
+    if speculative_tokens < 1:
+        raise ModelError(f"speculative_tokens={speculative_tokens}", where="--speculative-tokens",
+                         fix="give the number of draft tokens per verify pass, at least 1")
+    target_dir, out = Path(target_dir), Path(out_dir)
+    architectures = _target_architectures(target_dir)
+    state = {}
+    for key, tensor in model.draft_state_dict().items():
+        if dtype != "keep" and tensor.is_floating_point():
+            tensor = tensor.to(DTYPES[dtype])
+        state[key] = tensor.detach().to("cpu").contiguous()
+    check_serving_state(state, model.config, where="draft weights")
+    floats = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(floats) != 1:
+        raise ModelError(f"draft parameters mix dtypes {sorted(map(str, floats))}", where="draft model",
+                         fix="export with --dtype bfloat16 (or float32) to cast them to one dtype")
+    weight_dtype = floats.pop()
+    embedding = read_target_embedding(target_dir)
+    expected = (model.config.vocab_size, model.config.hidden_size)
+    if tuple(embedding.shape) != expected:
+        raise ModelError(f"the target's embedding is {list(embedding.shape)}, the draft needs {list(expected)}",
+                         where=f"{target_dir}: model.embed_tokens.weight",
+                         fix="give --target the target this draft was trained on")
+    tensors = {speculators_key(k): t for k, t in state.items()}
+    tensors[EMBEDDING_KEY] = embedding.to(weight_dtype).contiguous()
+    config = speculators_config(model.config, verifier=str(target_dir) if verifier is None else verifier,
+                                verifier_architectures=architectures, speculative_tokens=speculative_tokens,
+                                dtype=str(weight_dtype).removeprefix("torch."))
+    if out.exists() and not (out.is_dir() and {p.name for p in out.iterdir()} <= {CONFIG_FILE, WEIGHTS_FILE}):
+        raise CheckpointError("the export directory holds other files", where=str(out),
+                              fix="choose an empty or new --out directory")
+    with staged_directory(out, replace=True) as stage:
+        atomic_write_bytes(stage / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
+        atomic_write_json(stage / CONFIG_FILE, config, sort_keys=True)
+    return out

@@ -1,0 +1,164 @@
+"""The speculators export, loaded by the real ``speculators`` package (``make install`` installs
+0.9.0 without its GPU dependencies): the config it parses, the weights it maps, the logits of its
+own forward, and the export command's refusals."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from speculators import SpeculatorModel, SpeculatorModelConfig
+from speculators.models.eagle3 import Eagle3DraftModel as SpeculatorsEagle3, Eagle3SpeculatorConfig
+from transformers import AutoConfig, LlamaConfig
+
+from specforge_core.drafts.eagle3.config import capture_layer_ids_of, draft_config_from_target
+from specforge_core.drafts.eagle3.model import Eagle3DraftModel
+from specforge_core.drafts.eagle3.serving import save_draft_checkpoint_files
+from specforge_core.drafts.eagle3.speculators_format import speculators_key
+from specforge_core.export import main
+
+VD = 48
+
+
+def _tensors(path):
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _draft(target_dir, capture_ids=None, fc_norm=False, seed=0) -> Eagle3DraftModel:
+    """A draft for the tiny target with weights far from init (so a wrong mapping shows) and a random vocab map."""
+    config = draft_config_from_target(AutoConfig.from_pretrained(target_dir), VD, capture_layer_ids=capture_ids,
+                                      fc_norm=fc_norm)
+    draft = Eagle3DraftModel(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name != "embed_tokens.weight":
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if "norm" in name
+                        else 0.1 * torch.randn(p.shape, generator=g))
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(config.vocab_size, generator=g)[:VD]] = True
+    draft.set_vocab_map(torch.nonzero(t2d).flatten() - torch.arange(VD), t2d)
+    draft.load_embedding(_tensors(target_dir / "model.safetensors")["model.embed_tokens.weight"])
+    return draft
+
+
+def _export(tmp_path, target_dir, draft, *extra) -> tuple:
+    step = tmp_path / "run" / "checkpoints" / "step-00000004"
+    save_draft_checkpoint_files(draft, step)
+    (step.parent / "latest").write_text(step.name + "\n")
+    out = tmp_path / "vllm"
+    code = main(["--checkpoint", str(tmp_path / "run"), "--out", str(out), "--format", "speculators",
+                 "--target", str(target_dir), *extra])
+    return code, out
+
+
+def _step0_logits_ours(draft, aux, ids, positions):
+    with torch.no_grad():
+        hidden, _ = draft.step(ids, draft.project_hidden(aux), positions)
+        return draft.compute_logits(hidden)
+
+
+def _step0_logits_speculators(model, aux, ids, positions):
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
+    try:
+        with torch.no_grad():
+            model(hidden_states=aux, input_ids=ids, document_ids=torch.zeros_like(ids), position_ids=positions,
+                  ttt_steps=1)
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+CASES = {"default ids": ({}, []), "custom ids": ({"capture_ids": [0, 2, 6]}, []),
+         "fc_norm": ({"fc_norm": True}, []), "bf16": ({}, ["--dtype", "bfloat16"])}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_speculators_parses_the_config_maps_every_weight_and_computes_our_logits(
+        tmp_path, tiny_target_dir, capsys, case):
+    draft_args, flags = CASES[case]
+    draft = _draft(tiny_target_dir, **draft_args)
+    ours = capture_layer_ids_of(draft.config)
+    code, out = _export(tmp_path, tiny_target_dir, draft, *flags)
+    assert code == 0
+    line = json.loads(capsys.readouterr().out)
+    assert (line["format"], line["verifier"], line["speculative_tokens"]) == ("speculators", str(tiny_target_dir), 3)
+    assert line["capture_layer_ids"] == ours and line["vllm_layer_ids"] == [k + 1 for k in ours]
+
+    config = SpeculatorModelConfig.from_pretrained(out)
+    assert type(config) is Eagle3SpeculatorConfig
+    layer = config.transformer_layer_config
+    assert isinstance(layer, LlamaConfig) and layer.num_hidden_layers == 1
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "rms_norm_eps", "hidden_act"):
+        assert getattr(layer, field) == getattr(draft.config, field), field
+    assert layer.rope_parameters["rope_theta"] == draft.config.rope_parameters["rope_theta"]
+    assert (config.draft_vocab_size, config.target_hidden_size) == (VD, draft.target_hidden_size)
+    assert (config.norm_before_residual, config.norm_before_fc, config.fc_norm, config.norm_output) == (
+        False, False, draft_args.get("fc_norm", False), False)
+    assert config.eagle_aux_hidden_state_layer_ids == [k + 1 for k in ours]
+    spec = config.speculators_config
+    assert (spec.algorithm, spec.default_proposal_method, spec.proposal_methods[0].speculative_tokens) == (
+        "eagle3", "greedy", 3)
+    assert (spec.verifier.name_or_path, spec.verifier.architectures) == (str(tiny_target_dir), ["LlamaForCausalLM"])
+
+    model = SpeculatorModel.from_pretrained(out)
+    assert type(model) is SpeculatorsEagle3
+    assert model.config.eagle_aux_hidden_state_layer_ids == [k + 1 for k in ours]  # kept after resolving
+    loaded = model.state_dict()
+    dtype = torch.bfloat16 if flags else torch.float32
+    written = {k: t.to(dtype) if t.is_floating_point() else t for k, t in draft.draft_state_dict().items()}
+    assert set(_tensors(out / "model.safetensors")) == {speculators_key(k) for k in written} | {"embed_tokens.weight"}
+    assert [k for k, t in written.items() if not torch.equal(loaded[speculators_key(k)], t)] == []
+    target = _tensors(tiny_target_dir / "model.safetensors")
+    assert torch.equal(loaded["embed_tokens.weight"], target["model.embed_tokens.weight"].to(dtype))
+    assert torch.equal(loaded["verifier_lm_head.weight"], target["lm_head.weight"][draft.t2d].to(dtype))
+
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(1, 7, 3 * draft.target_hidden_size, generator=g)
+    ids = torch.randint(0, draft.config.vocab_size, (1, 7), generator=g)
+    positions = torch.arange(7)[None]
+    served = Eagle3DraftModel(draft.config)  # our draft from the exported (possibly bf16-rounded) weights, in fp32
+    served.load_state_dict({k: t.float() if t.is_floating_point() else t for k, t in written.items()}, strict=False)
+    served.load_embedding(target["model.embed_tokens.weight"].to(dtype).float())
+    theirs = _step0_logits_speculators(model.float(), aux, ids, positions)
+    torch.testing.assert_close(theirs, _step0_logits_ours(served.eval(), aux, ids, positions), rtol=1e-4, atol=1e-4)
+
+
+def test_a_config_claiming_norm_before_residual_would_compute_other_logits(tmp_path, tiny_target_dir, capsys):
+    """Why the field is written: vLLM assumes true without it, and the layer then differs."""
+    draft = _draft(tiny_target_dir)
+    _, out = _export(tmp_path, tiny_target_dir, draft)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"norm_before_residual": True}))
+    g = torch.Generator().manual_seed(1)
+    aux, ids = torch.randn(1, 5, 3 * draft.target_hidden_size, generator=g), torch.randint(0, 512, (1, 5), generator=g)
+    theirs = _step0_logits_speculators(SpeculatorModel.from_pretrained(out), aux, ids, torch.arange(5)[None])
+    assert (theirs - _step0_logits_ours(draft.eval(), aux, ids, torch.arange(5)[None])).abs().max() > 0.1
+
+
+def test_the_sglang_export_is_still_the_default_and_takes_no_speculators_flags(tmp_path, tiny_target_dir, capsys):
+    draft = _draft(tiny_target_dir)
+    save_draft_checkpoint_files(draft, tmp_path / "step")
+    assert main(["--checkpoint", str(tmp_path / "step"), "--out", str(tmp_path / "a")]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "sglang"
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert main(["--checkpoint", str(tmp_path / "step"), "--out", str(tmp_path / "b"),
+                 "--target", str(tiny_target_dir)]) == 2
+    assert "error: --target: --target only apply to --format speculators" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "step"), "--out", str(tmp_path / "c"), "--format", "speculators"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --target:" in err and "fix: give --target the local directory" in err
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_dflash_draft_has_no_speculators_export(tmp_path, tiny_target_dir, capsys):
+    from specforge_core.drafts import get_family
+    from tests.drafts.dflash.fixtures import tiny_draft
+
+    get_family("dflash").save_checkpoint_files(tiny_draft(), tmp_path / "step")
+    assert main(["--checkpoint", str(tmp_path / "step"), "--out", str(tmp_path / "x"), "--format", "speculators",
+                 "--target", str(tiny_target_dir)]) == 2
+    assert "the dflash family has no speculators export" in capsys.readouterr().err
