@@ -17,11 +17,10 @@ nor are that prompt's later turns (counted as ``skipped_too_long``).
 
 A setting is SGLang's (``--speculative-num-steps``, ``--speculative-eagle-topk``,
 ``--speculative-num-draft-tokens``). Chain settings (topk 1) decode with ``num_steps = steps``;
-tree settings (topk > 1) pass ``topk`` and ``num_draft_tokens`` to ``decode_batch``, and are
-refused while the decoder has no tree drafting (:func:`check_settings`).
+tree settings (topk > 1) pass ``topk`` and ``num_draft_tokens`` to ``decode_batch`` (EAGLE3 only;
+:func:`check_settings` refuses a tree asking for more tokens than its steps make).
 """
 
-import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 from specforge_core.data.benchmarks import PromptSet
 from specforge_core.decoding.acceptance import AcceptanceStats
 from specforge_core.decoding.measure import decode_in_batches
-from specforge_core.decoding.speculative import decode_batch
+from specforge_core.decoding.speculative import tree_token_budget
 from specforge_core.decoding.verifier import DecodingTarget
 from specforge_core.errors import ConfigError
 
@@ -57,17 +56,17 @@ class DecodingSetting:
 
 
 def check_settings(settings: list[DecodingSetting], where: str = "validation.settings") -> None:
-    """Refuse a repeated setting, and tree settings while ``decode_batch`` cannot draft trees."""
+    """Refuse a repeated setting, and a tree setting that asks for more draft tokens than its steps make."""
     labels = [s.label for s in settings]
     if len(set(labels)) < len(labels):
         raise ConfigError(f"settings {labels} repeat a row", where=where, fix="give each setting once")
-    trees = [s.label for s in settings if s.topk > 1]
-    if trees and "topk" not in inspect.signature(decode_batch).parameters:
-        raise ConfigError(
-            f"setting {trees[0]} (steps,topk,draft_tokens) drafts a tree (topk > 1), which this version's "
-            "decoder (decoding/speculative.py) does not do", where=where,
-            fix="use chain settings (topk 1, draft_tokens = steps + 1), e.g. 3,1,4 and 7,1,8",
-        )
+    for s in settings:
+        if s.topk > 1 and not 2 <= s.draft_tokens <= tree_token_budget(s.steps, s.topk):
+            raise ConfigError(
+                f"setting {s.label} (steps,topk,draft_tokens): {s.steps} steps of topk {s.topk} make at most "
+                f"{tree_token_budget(s.steps, s.topk)} verify tokens", where=where,
+                fix=f"choose draft_tokens between 2 and {tree_token_budget(s.steps, s.topk)}, e.g. SGLang's 5,4,8",
+            )
 
 
 @dataclass

@@ -87,6 +87,12 @@ def _take_until_stop(new: list[int], budget: int, stop_ids: set[int]) -> tuple[l
     return out, False
 
 
+def tree_token_budget(num_steps: int, topk: int) -> int:
+    """The most tokens a verify forward can take for ``num_steps`` steps of ``topk``: the pending
+    token + every candidate the steps make (topk at the first step, topk² at each later one)."""
+    return 1 + topk + (num_steps - 1) * topk * topk
+
+
 def check_draft_shape(drafter: Drafter | None, num_steps: int, topk: int = 1,
                       num_draft_tokens: int | None = None) -> int:
     """The tokens one verify forward takes (``num_draft_tokens`` resolved), or ConfigError.
@@ -115,7 +121,7 @@ def check_draft_shape(drafter: Drafter | None, num_steps: int, topk: int = 1,
     if num_steps < 1:
         raise ConfigError(f"a tree needs at least one draft step, got num_steps={num_steps}", where="num_steps",
                           fix="set num_steps >= 1, or topk 1")
-    most = 1 + topk + (num_steps - 1) * topk * topk
+    most = tree_token_budget(num_steps, topk)
     width = num_steps + 1 if num_draft_tokens is None else num_draft_tokens
     if not 2 <= width <= most:
         raise ConfigError(

@@ -97,9 +97,10 @@ def test_speedup_is_speculative_over_greedy_tokens_per_second():
     assert row["acceptance_length"] == pytest.approx(9 / 3)
 
 
-def test_tree_settings_are_refused_naming_the_setting():
-    with pytest.raises(ConfigError, match="4,2,8.*tree"):
-        check_settings([DecodingSetting(3, 1, 4), DecodingSetting(4, 2, 8)])
+def test_a_tree_setting_asking_for_more_tokens_than_its_steps_make_is_refused_naming_it():
+    check_settings([DecodingSetting(3, 1, 4), DecodingSetting(5, 4, 8)])  # SGLang's default tree
+    with pytest.raises(ConfigError, match="2,2,8.*at most 7 verify tokens"):
+        check_settings([DecodingSetting(2, 2, 8)])
 
 
 def test_a_repeated_setting_is_refused():
