@@ -162,9 +162,9 @@ def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_
     stops = {tok.eos_token_id}
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-               for text in ("What is the capital of France?", "Write a haiku about rivers.", "Hi!")]
-    plain = [decode(target, p, max_new_tokens=32, stop_ids=stops).tokens for p in prompts]
-    spec = decode_batch(target, prompts, max_new_tokens=32, stop_ids=stops, drafter=DraftRunner(draft),
+               for text in ("What is the capital of France?", "Hi!")]
+    plain = [decode(target, p, max_new_tokens=24, stop_ids=stops).tokens for p in prompts]
+    spec = decode_batch(target, prompts, max_new_tokens=24, stop_ids=stops, drafter=DraftRunner(draft),
                         num_steps=steps, topk=topk, num_draft_tokens=width)
     assert [g.tokens for g in spec] == plain
 

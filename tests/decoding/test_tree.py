@@ -262,7 +262,7 @@ def test_a_copying_tree_draft_is_lossless_and_counted_by_its_accepted_path(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("steps,topk,width", [(5, 4, 8), (3, 2, 6)])
+@pytest.mark.parametrize("steps,topk,width", [(5, 4, 8)])  # SGLang's default tree; the tiny targets cover the rest
 def test_tree_decoding_on_smollm2_is_lossless_and_counted_by_its_accepted_path(smollm2_dir, steps, topk, width):
     from transformers import AutoTokenizer
 
@@ -270,11 +270,11 @@ def test_tree_decoding_on_smollm2_is_lossless_and_counted_by_its_accepted_path(s
     target = _target(smollm2_dir)
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-               for text in ("What is the capital of France?", "Write a haiku about rivers.", "Hi!")]
-    plain = decode_batch(target, prompts, max_new_tokens=40, stop_ids=set())
+               for text in ("What is the capital of France?", "Write a haiku about rivers.")]
+    plain = decode_batch(target, prompts, max_new_tokens=24, stop_ids=set())
     drafter = CopyingTreeDrafter([p + g.tokens for p, g in zip(prompts, plain)], vocab=len(tok),
                                  num_draft_tokens=width)
-    spec = decode_batch(target, prompts, max_new_tokens=30, stop_ids=set(), drafter=drafter,
+    spec = decode_batch(target, prompts, max_new_tokens=18, stop_ids=set(), drafter=drafter,
                         num_steps=steps, topk=topk, num_draft_tokens=width)
-    assert [g.tokens for g in spec] == [g.tokens[:30] for g in plain]
+    assert [g.tokens for g in spec] == [g.tokens[:18] for g in plain]
     assert [g.accepted for g in spec] == drafter.expected
