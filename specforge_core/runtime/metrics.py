@@ -24,7 +24,10 @@ What the numbers mean:
   averaged over ranks: the share of the step the draft was not training;
 - ``peak_mem_allocated_bytes`` / ``peak_mem_reserved_bytes`` (CUDA, since start) or
   ``peak_rss_bytes`` (CPU, since start); ``peak_staged_bytes``: the rollout stream's staged
-  features; all maxima over ranks.
+  features; all maxima over ranks;
+- what the trainer adds (``extra``): ``train_seconds`` (the training clock at the step's update:
+  saves left out, ``runtime/budget.py``), ``budget_fraction`` (with
+  ``training.time_budget``: train_seconds / budget).
 """
 
 import resource
@@ -63,8 +66,9 @@ def format_line(record: MetricsRecord) -> str:
         ("grad_norm", "grad_norm", ".3f"),
         ("capture_share", "capture", ".0%"),
         ("bubble", "bubble", ".0%"),
+        ("budget_fraction", "budget", ".0%"),
     ):
-        if key in record:
+        if record.get(key) is not None:
             parts.append(f"{label}={record[key]:{fmt}}")
     for key in ("peak_mem_allocated_bytes", "peak_rss_bytes"):
         if key in record:
@@ -158,8 +162,9 @@ class MetricsLogger:
         if self.d.is_main:
             self.file.truncate_after(step)
 
-    def flush(self, step: int) -> MetricsRecord | None:
-        """Reduce the window over ranks (collective) and publish it on rank 0; returns the record there."""
+    def flush(self, step: int, extra: MetricsRecord | None = None) -> MetricsRecord | None:
+        """Reduce the window over ranks (collective) and publish it on rank 0 with ``extra`` (rank 0's
+        figures, added as given); returns the record there."""
         elapsed = time.perf_counter() - self.window_start
         keys = sorted(self.sums)
         values = torch.cat([self.sums[k].reshape(-1).cpu() for k in keys]).tolist() if keys else []
@@ -195,6 +200,7 @@ class MetricsLogger:
             time=time.time(),
         )
         record.update({k: int(v) for k, v in zip(memory, peaks[2:])})
+        record.update(extra or {})
         self.file.append(record)
         if self.echo:
             print(format_line(record), flush=True)
