@@ -169,6 +169,17 @@ def parse_duration(text: str) -> float:
     return total
 
 
+class HeldOutDecodeConfig(_Section):
+    """A small speculative decode of held-out prompts while the draft trains (docs/validation-sharegpt.md)."""
+
+    interval: int = Field(
+        0, ge=0, description="Decode every N optimizer steps and at the last one, on rank 0 (0: never). Its "
+        "wall time is excluded from training.time_budget and from the steps' timings."
+    )
+    num_prompts: int = Field(8, ge=1, description="The first N prompts of the prompt cache's eval split.")
+    max_new_tokens: int = Field(64, ge=1, description="Tokens decoded per prompt.")
+
+
 class TrainingConfig(_Section):
     seed: int = 42
     num_epochs: int = Field(1, ge=1)
@@ -203,6 +214,7 @@ class TrainingConfig(_Section):
         "optimizer step that spends it, and run warm-up and decay over the fraction spent instead of the "
         "steps (runtime/budget.py). The plan's horizon (num_epochs, max_steps) still caps the run."
     )
+    heldout: HeldOutDecodeConfig = Field(default_factory=HeldOutDecodeConfig)
 
     @field_validator("time_budget", mode="before")
     @classmethod

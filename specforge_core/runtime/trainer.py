@@ -20,7 +20,10 @@ When it stops: at the plan's horizon, or with ``training.time_budget`` at the fi
 optimizer step whose update finds the budget spent, whichever comes first; the learning rate then
 follows the run's progress (``runtime/budget.py``: the larger of the budget's fraction spent and
 the horizon's fraction trained) instead of the step count. The training clock
-(``train_seconds`` in the metrics and the checkpoint) leaves out checkpoint saves.
+(``train_seconds`` in the metrics and the checkpoint) leaves out checkpoint saves and held-out
+decodes. With ``training.heldout.interval`` = N, every N steps and at the last one the ranks
+gather the draft's weights and rank 0 decodes a few held-out prompts (``runtime/heldout.py``);
+the figures join that step's metrics record.
 
 What resume guarantees: the run continues from the newest complete checkpoint with the same
 weights, optimizer, schedule, RNG and data position (the stream skips the consumed prompts without
@@ -30,6 +33,8 @@ one would have. A budgeted run resumes its clock from the checkpoint's ``train_s
 its schedule from the checkpoint's scheduler state, and stops when the same total is spent; it is
 not bit-reproducible (wall time never is), and neither is the number of steps it trains. Without a
 budget nothing here reads the clock except to report it: the same config trains the same weights.
+Held-out decodes run on their own copies of the weights and the target under a forked RNG, so they
+change nothing the ranks train.
 """
 
 import hashlib
@@ -54,12 +59,14 @@ from specforge_core.runtime.checkpoint import (
     read_train_state,
     save_checkpoint,
 )
-from specforge_core.runtime.distributed import Dist
+from specforge_core.runtime.distributed import Dist, broadcast_object
 from specforge_core.runtime.metrics import MetricsLogger
 from specforge_core.runtime.optim import DraftOptimizer, shard
 from specforge_core.runtime.rollout import RolloutStream
 
 Objective = Callable[[nn.Module, CapturedBatch], tuple[torch.Tensor, dict]]
+# rank 0's held-out decode: the draft's full weights (no frozen parameters) → figures for the metrics
+HeldOutDecode = Callable[[dict[str, torch.Tensor]], dict[str, float]]
 
 # Training options that change what a step computes: resuming with other values is refused.
 _OPTIMIZATION_FIELDS = (
@@ -188,6 +195,7 @@ class Trainer:
         contract: dict,
         write_draft_files: Callable[[Path, dict[str, torch.Tensor]], None],
         loss_is_sum: bool = False,
+        heldout: HeldOutDecode | None = None,
         echo: bool = True,
     ):
         t = cfg.training
@@ -206,6 +214,10 @@ class Trainer:
         self.write_draft_files = write_draft_files
         self.loss_is_sum = loss_is_sum
         self.time_budget_s = t.time_budget_s
+        self.heldout_interval = t.heldout.interval
+        if self.heldout_interval and heldout is None and d.is_main:
+            raise ValueError("training.heldout.interval is set but rank 0 was given no held-out decode")
+        self.heldout = heldout  # rank 0's; the other ranks only take part in the weight gather
         self.echo = echo
         self.step = 0  # optimizer steps done
         self.consumed_samples = 0  # samples this rank has trained (the plan's resume cursor)
@@ -272,8 +284,10 @@ class Trainer:
                 self._optimizer_step(stream)
                 self.step += 1
                 last = self.step == self.total_steps or self.budget_spent()
-                if last or self.step % t.log_interval == 0:
-                    self.metrics.flush(self.step, extra=self._clock_figures())
+                decode = bool(self.heldout_interval) and (last or self.step % self.heldout_interval == 0)
+                extra = self._heldout_figures() if decode else {}
+                if last or decode or self.step % t.log_interval == 0:
+                    self.metrics.flush(self.step, extra={**self._clock_figures(), **extra})
                 if last or (t.save_interval and self.step % t.save_interval == 0):
                     with self.clock.paused():
                         self.save()
@@ -291,6 +305,31 @@ class Trainer:
         figures = {"train_seconds": self.train_seconds}
         if self.time_budget_s is not None:
             figures["budget_fraction"] = self.train_seconds / self.time_budget_s
+        return figures
+
+    def _heldout_figures(self) -> dict[str, float]:
+        """Collective: gather the draft's full weights, decode on rank 0, share its outcome.
+
+        Paused on the training clock and left out of the metrics window, on every rank (the
+        others wait for rank 0). A failure on rank 0 is raised on every rank.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        start = time.perf_counter()
+        figures, error = {}, None
+        with self.clock.paused():
+            state = get_model_state_dict(self.draft, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))  # whole on rank 0 only
+            if self.d.is_main:
+                try:
+                    figures = self.heldout(state)
+                except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                    error = e
+            del state
+            error = broadcast_object(self.d, error)
+        if error is not None:
+            raise error
+        self.metrics.exclude_time(time.perf_counter() - start)
         return figures
 
     def _optimizer_step(self, stream: RolloutStream) -> None:
