@@ -394,6 +394,15 @@ class RunConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _heldout_needs_prompts(self) -> "RunConfig":
+        if self.training.heldout.interval and not (self.data.eval_files or self.data.eval_holdout):
+            raise ValueError(
+                f"training.heldout.interval={self.training.heldout.interval} decodes held-out prompts, but the "
+                "config has none; give data.eval_files (or data.eval_holdout: N), or set training.heldout.interval=0"
+            )
+        return self
+
     @property
     def validation_num_steps(self) -> int:
         """Draft tokens per verify round for validation: ``validation.num_steps`` or the family's default."""

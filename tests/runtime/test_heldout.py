@@ -16,6 +16,7 @@ import yaml
 from safetensors.torch import load_file
 
 from fixtures.chitchat import write_chitchat_jsonl
+from specforge_core.config import config_from_dict
 from specforge_core.errors import ConfigError
 from specforge_core.runtime.checkpoint import latest_checkpoint
 from specforge_core.runtime.distributed import close_distributed, init_distributed
@@ -40,14 +41,23 @@ class SlowDecode:
         return {"heldout_acceptance_length": 1.0 + len(self.states) / 10}
 
 
+def heldout_config(target_dir, run_dir, interval, **training):
+    """test_trainer's probe config with held-out decodes every ``interval`` steps (and the eval
+    prompts a config needs for them; the probe's decode never reads them)."""
+    data = make_config(target_dir, run_dir, **training).model_dump(mode="json")
+    data["data"]["eval_holdout"] = 4
+    data["training"]["heldout"]["interval"] = interval
+    return config_from_dict(data)
+
+
 @pytest.fixture(scope="module")
 def probe_run(tiny_target_dir, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     d = init_distributed("cpu", timeout_s=30)
     run_dir = tmp_path_factory.mktemp("heldout")
-    cfg = make_config(tiny_target_dir, run_dir, world_size=1, num_epochs=1, log_interval=100,
-                      heldout={"interval": 4})  # 6 steps: decodes at 4 and at the last
+    cfg = heldout_config(tiny_target_dir, run_dir, 4, world_size=1, num_epochs=1, log_interval=100)
+    # 6 steps: decodes at 4 and at the last
     decode = SlowDecode()
     trainer, _ = build_trainer(d, cfg, heldout=decode)
     trainer.fit()
@@ -134,8 +144,7 @@ def test_held_out_decodes_change_nothing_the_run_trains(eagle3_runs):
 def _two_rank_worker(rank, target_dir, run_dir):
     d = init_distributed("cpu", timeout_s=60)
     decode = SlowDecode() if rank == 0 else None  # the builder gives rank 0 alone a decoder
-    trainer, _ = build_trainer(d, make_config(target_dir, run_dir, num_epochs=1, heldout={"interval": 2}),
-                               heldout=decode)
+    trainer, _ = build_trainer(d, heldout_config(target_dir, run_dir, 2, num_epochs=1), heldout=decode)
     trainer.fit()
     close_distributed()
     shapes = None if decode is None else [{k: tuple(v.shape) for k, v in s.items()} for s in decode.states]
