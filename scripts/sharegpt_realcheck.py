@@ -5,8 +5,8 @@
         --answers 480 [--answer-tokens 128] [--stages data,regenerate,train,evaluate,report] [overrides ...]
     # a smoke run of the whole chain, about 3 minutes on 2 cores:
     OMP_NUM_THREADS=2 PYTHONPATH=. python scripts/sharegpt_realcheck.py --config examples/sharegpt-realcheck.yaml \
-        --answers 8 --answer-tokens 16 --validation-prompts 4 --heldout-prompts 4 --eval-new-tokens 16 \
-        output.dir=runs/sharegpt-smoke training.time_budget=45s training.heldout.interval=10
+        --data .cache/sharegpt-smoke --answers 8 --answer-tokens 16 --validation-prompts 4 --heldout-prompts 4 \
+        --eval-new-tokens 16 output.dir=runs/sharegpt-smoke training.time_budget=45s training.heldout.interval=10
 
 Stages, in order; each can be run again after an interruption and goes on where it stopped:
 
@@ -28,7 +28,8 @@ Stages, in order; each can be run again after an interruption and goes on where 
    validation prompts, the eval split of that config). A finished run resumes to nothing.
 4. ``evaluate``: ``python -m specforge_core.evaluate`` on the newest checkpoint, k = 3, on the
    held-out prompts (the figure to report) and on the validation prompts (the one to choose a
-   recipe on); skipped when that checkpoint's figures with these settings are already there.
+   recipe on; ``--eval-splits validation`` decodes only these, for the runs that compare
+   recipes); skipped when that checkpoint's figures with these settings are already there.
 5. ``report``: ``<output.dir>/results.json`` and ``results.md`` (data, split, commands, training,
    τ, per position training accuracy beside held-out conditional acceptance for the same
    checkpoint, the curve of τ against training wall time) and ``report/curves*.png``.
@@ -244,7 +245,9 @@ class RealCheck:
             raise DataError("the run has no checkpoint to evaluate", where=str(self.run), fix="run the train stage")
         self.write_config(keep=True)
         out = {}
-        for split, n in (("heldout", self.args.heldout_prompts), ("validation", self.args.validation_prompts)):
+        counts = {"heldout": self.args.heldout_prompts, "validation": self.args.validation_prompts}
+        for split in self.args.eval_splits:
+            n = counts[split]
             settings = {"checkpoint": ckpt.name, "prompts": n, "num_steps": NUM_STEPS,
                         "max_new_tokens": self.args.eval_new_tokens}
             path = self.run / f"eval-{split}.json"
@@ -290,7 +293,8 @@ class RealCheck:
                   **{f"validation_accept_rate_{i}": r.get(f"heldout_accept_rate_{i}") for i in range(NUM_STEPS)},
                   "simulated": _simulated(r)}
                  for r in records if r.get("heldout_acceptance_length") is not None]
-        t = self.base.training
+        trained = load_config(self.config_path) if self.config_path.is_file() else self.base  # what the run trained
+        t = trained.training
         results = {
             "data": json.loads((self.run / "data.json").read_text()) if (self.run / "data.json").is_file() else None,
             "answer_tokens": self.args.answer_tokens, "train_file": str(self.train_file),
@@ -299,7 +303,8 @@ class RealCheck:
                          "recipe": {k: getattr(t, k) for k in ("learning_rate", "lr_scheduler", "warmup_ratio",
                                                                 "batch_size", "token_budget", "ttt_length",
                                                                 "ploss_decay", "max_grad_norm")},
-                         "draft_vocab_size": self.base.draft.draft_vocab_size, "max_length": self.base.data.max_length,
+                         "draft_vocab_size": trained.draft.draft_vocab_size, "max_length": trained.data.max_length,
+                         "vocab_coverage": self._vocab_coverage(),
                          "simulated_at_checkpoint": _simulated(at_ckpt)},
             "heldout": _summary(heldout), "validation": _summary(evals.get("validation", {})),
             "gap": gap, "curve": curve, "config": str(self.config_path),
@@ -310,6 +315,14 @@ class RealCheck:
             plot_curves(self.run / "metrics.jsonl", self.run / "report" / name, num_steps=NUM_STEPS,
                         measured={"held-out, final": heldout.get("acceptance_length")}, x=x)
         return {"results": str(self.run / "results.md"), "heldout_acceptance_length": heldout.get("acceptance_length")}
+
+
+    def _vocab_coverage(self) -> float | None:
+        """The share of supervised answer tokens inside the draft vocabulary (the vocab map's sidecar)."""
+        manifest = json.loads((self.run / "run.json").read_text()) if (self.run / "run.json").is_file() else {}
+        ref = manifest.get("vocab_map") or {}
+        sidecar = Path(ref["path"]).with_suffix(".json") if ref.get("path") else None
+        return json.loads(sidecar.read_text()).get("coverage") if sidecar and sidecar.is_file() else None
 
 
 def _simulated(record: dict) -> float | None:
@@ -350,7 +363,8 @@ def render_results(r: dict, args) -> str:
         "",
         f"- {t['steps']} optimizer steps, {t['samples']} samples, {_f(t['train_seconds'], 1)} s of training "
         f"(time budget {t['time_budget']}), checkpoint {t['checkpoint']}",
-        f"- recipe: {t['recipe']}, draft vocab {t['draft_vocab_size']}, max_length {t['max_length']}",
+        f"- recipe: {t['recipe']}, draft vocab {t['draft_vocab_size']} (coverage of the answers' tokens "
+        f"{_f(t['vocab_coverage'])}), max_length {t['max_length']}",
         "",
         f"## Acceptance length at k = {NUM_STEPS}",
         "",
@@ -395,8 +409,13 @@ def parse_args(argv=None):
     ap.add_argument("--validation-prompts", type=int, default=32)
     ap.add_argument("--heldout-prompts", type=int, default=64)
     ap.add_argument("--eval-new-tokens", type=int, default=96, help="tokens decoded per prompt when evaluating")
+    ap.add_argument("--eval-splits", default="heldout,validation",
+                    help="what the evaluate stage decodes: validation alone while choosing a recipe")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
     args = ap.parse_args(argv)
+    args.eval_splits = args.eval_splits.split(",")
+    if not args.eval_splits or set(args.eval_splits) - {"heldout", "validation"}:
+        ap.error("--eval-splits takes heldout, validation or both (comma-separated)")
     stages = args.stages.split(",")
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:

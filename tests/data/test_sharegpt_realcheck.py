@@ -117,7 +117,7 @@ def test_the_whole_chain_trains_on_a_budget_evaluates_and_reports(tiny_target_di
     base = tmp_path / "base.yaml"
     base.write_text(json.dumps({
         "model": {"target": str(tiny_target_dir), "dtype": "float32"},
-        "data": {"max_length": 96, "cache_dir": str(tmp_path / "cache")},
+        "data": {"eval_files": ["replaced-by-the-script.jsonl"], "max_length": 96, "cache_dir": str(tmp_path / "cache")},
         "draft": {"draft_vocab_size": 256},
         "training": {"time_budget": "4s", "num_epochs": 1000, "batch_size": 2, "ttt_length": 3, "log_interval": 5,
                      "heldout": {"interval": 10, "num_prompts": 2, "max_new_tokens": 8}},
@@ -128,6 +128,7 @@ def test_the_whole_chain_trains_on_a_budget_evaluates_and_reports(tiny_target_di
     assert main(argv) == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["training"]["train_seconds"] >= 4.0 and results["training"]["time_budget"] == "4s"
+    assert 0 < results["training"]["vocab_coverage"] <= 1
     assert results["heldout"]["acceptance_length"] >= 1.0 and results["heldout"]["prompts"] == 2
     assert "data.eval_files=" in results["heldout"]["command"] and "data.eval_files=" not in results["validation"]["command"]
     assert [g["position"] for g in results["gap"]] == [1, 2, 3] and results["curve"]
@@ -139,9 +140,13 @@ def test_the_whole_chain_trains_on_a_budget_evaluates_and_reports(tiny_target_di
     assert (tmp_path / "run" / "eval-heldout.json").read_text() == before
 
 
-def test_unknown_stages_are_refused():
+@pytest.mark.parametrize("flag,value,says", [("--stages", "data,tune", "unknown stage(s) tune"),
+                                             ("--eval-splits", "test", "--eval-splits takes"),
+                                             ("--answers", "0", "--answers must be at least 1")])
+def test_unknown_stages_splits_and_empty_counts_are_refused(flag, value, says, capsys):
     with pytest.raises(SystemExit):
-        parse_args(["--config", "c.yaml", "--stages", "data,tune"])
+        parse_args(["--config", "c.yaml", flag, value])
+    assert says in capsys.readouterr().err
 
 
 def test_the_data_files_are_named_by_what_they_hold(tmp_path):
@@ -151,3 +156,16 @@ def test_the_data_files_are_named_by_what_they_hold(tmp_path):
     check = RealCheck(args, cfg)
     assert check.prompts["train"].name == "prompts-train-n480-p384.jsonl"
     assert check.pool.name == "answers-smollm2-135m-instruct-a128.jsonl"
+
+
+@pytest.mark.parametrize("config,answers", [("examples/sharegpt-realcheck.yaml", "480"),
+                                            ("examples/sharegpt-realcheck-2h.yaml", "1920")])
+def test_the_example_configs_name_the_files_their_make_target_makes(config, answers):
+    from scripts.sharegpt_realcheck import ROOT
+    from specforge_core.config import load_config
+
+    cfg = load_config(ROOT / config)
+    check = RealCheck(parse_args(["--config", config, "--answers", answers]), cfg)
+    assert cfg.data.train_files == [str(check.train_file)]
+    assert cfg.data.eval_files == [str(check.prompts["validation"])]
+    assert f"--config {config} --answers {answers}" in (ROOT / "Makefile").read_text()
