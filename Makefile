@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 PREFECT_ENV = PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
               PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW=ignore
 
-.PHONY: install test test-fast demo demo-tiny clean
+.PHONY: install test test-fast demo demo-tiny sharegpt-30m sharegpt-2h clean
 
 install: $(STAMP)
 
@@ -41,6 +41,17 @@ demo: $(STAMP)
 
 demo-tiny: $(STAMP)
 	$(PREFECT_ENV) $(BIN)/python -m flows.demo --profile tiny
+
+# The ShareGPT real check (docs/validation-sharegpt.md): data, regeneration, a time-budgeted run,
+# τ at k = 3 on held-out and validation prompts, results.md. Run on a quiet machine; each target
+# can be run again after an interruption. SHAREGPT_ARGS adds flags or config overrides.
+SHAREGPT = OMP_NUM_THREADS=2 PYTHONPATH=. $(BIN)/python scripts/sharegpt_realcheck.py
+
+sharegpt-30m: $(STAMP)
+	$(SHAREGPT) --config examples/sharegpt-realcheck.yaml --answers 480 $(SHAREGPT_ARGS)
+
+sharegpt-2h: $(STAMP)
+	$(SHAREGPT) --config examples/sharegpt-realcheck-2h.yaml --answers 1920 $(SHAREGPT_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache

@@ -13,6 +13,7 @@ target is loaded (``specforge_core.capture.target_info.validate_colocated``), no
 
 import difflib
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -165,6 +166,37 @@ class DraftConfig(_Section):
     )
 
 
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration written with units: ``45s``, ``30m``, ``2h``, ``1h30m``, ``0.5h``.
+
+    Raises ValueError (the config names the field) for a bare number, another unit, or zero.
+    """
+    m = _DURATION.match(text.replace(" ", "")) if isinstance(text, str) else None
+    if m is None or not any(m.groups()):
+        raise ValueError(
+            f"{text!r} is not a duration; write it with a unit, h / m / s: e.g. 45s, 30m, 2h or 1h30m"
+        )
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in m.groups())
+    total = 3600 * hours + 60 * minutes + seconds
+    if total <= 0:
+        raise ValueError(f"{text!r} is no time at all; give a positive duration such as 30m, or remove it")
+    return total
+
+
+class HeldOutDecodeConfig(_Section):
+    """A small speculative decode of held-out prompts while the draft trains (docs/validation-sharegpt.md)."""
+
+    interval: int = Field(
+        0, ge=0, description="Decode every N optimizer steps and at the last one, on rank 0 (0: never). Its "
+        "wall time is excluded from training.time_budget and from the steps' timings."
+    )
+    num_prompts: int = Field(8, ge=1, description="The first N prompts of the prompt cache's eval split.")
+    max_new_tokens: int = Field(64, ge=1, description="Tokens decoded per prompt.")
+
+
 class TrainingConfig(_Section):
     seed: int = 42
     num_epochs: int = Field(1, ge=1)
@@ -194,6 +226,27 @@ class TrainingConfig(_Section):
     resume: Literal["auto", "never", "must"] = Field(
         "auto", description="auto: resume from the latest checkpoint if present."
     )
+    time_budget: str | None = Field(
+        None, description="Train for this much wall time (45s, 30m, 2h, 1h30m): stop at the first whole "
+        "optimizer step that spends it, and run warm-up and decay over the fraction spent instead of the "
+        "steps (runtime/budget.py). The plan's horizon (num_epochs, max_steps) still caps the run."
+    )
+    heldout: HeldOutDecodeConfig = Field(default_factory=HeldOutDecodeConfig)
+
+    @field_validator("time_budget", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, str):
+            raise ValueError(f"{v!r} has no unit; write it as a duration string: {v}s, {v}m or {v}h")
+        parse_duration(v)
+        return v
+
+    @property
+    def time_budget_s(self) -> float | None:
+        """``time_budget`` in seconds (None: the run is bounded by its plan's horizon alone)."""
+        return None if self.time_budget is None else parse_duration(self.time_budget)
 
 
 # ServerArgs fields that capture/sglang_args.py resolves itself; `capture.sglang.extra` may not set them.
@@ -398,6 +451,15 @@ class RunConfig(_Section):
             raise ValueError(
                 "model.capture_layer_ids picks EAGLE3's three layers; a DFlash draft reads "
                 "draft.dflash.target_layer_ids: move the ids there, or remove model.capture_layer_ids"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _heldout_needs_prompts(self) -> "RunConfig":
+        if self.training.heldout.interval and not (self.data.eval_files or self.data.eval_holdout):
+            raise ValueError(
+                f"training.heldout.interval={self.training.heldout.interval} decodes held-out prompts, but the "
+                "config has none; give data.eval_files (or data.eval_holdout: N), or set training.heldout.interval=0"
             )
         return self
 

@@ -176,6 +176,12 @@ def build_training(cfg, d, inputs: RunInputs, checked):
         family_fields=family.contract_fields(cfg),
     )
     plan, rows, budget = inputs.plan, inputs.rows, cfg.training.token_budget
+    heldout = None
+    if cfg.training.heldout.interval:
+        from specforge_core.runtime.heldout import HeldOutDecoder, heldout_prompt_ids
+
+        prompts = heldout_prompt_ids(inputs.prompt_cache.rows("eval"), cfg.training.heldout.num_prompts)
+        heldout = HeldOutDecoder(cfg, family, draft_config, prompts) if d.is_main else None
     trainer = Trainer(
         cfg,
         d,
@@ -188,5 +194,6 @@ def build_training(cfg, d, inputs: RunInputs, checked):
         contract=contract,
         write_draft_files=partial(family.save_checkpoint_files, draft),
         loss_is_sum=family.loss_is_sum,
+        heldout=heldout,
     )
     return trainer, backend

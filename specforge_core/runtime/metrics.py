@@ -24,7 +24,14 @@ What the numbers mean:
   averaged over ranks: the share of the step the draft was not training;
 - ``peak_mem_allocated_bytes`` / ``peak_mem_reserved_bytes`` (CUDA, since start) or
   ``peak_rss_bytes`` (CPU, since start); ``peak_staged_bytes``: the rollout stream's staged
-  features; all maxima over ranks.
+  features; all maxima over ranks;
+- what the trainer adds (``extra``): ``train_seconds`` (the training clock at the step's update:
+  saves and held-out decodes left out, ``runtime/budget.py``), ``budget_fraction`` (with
+  ``training.time_budget``: train_seconds / budget) and, on held-out steps, the held-out decode's
+  figures (``runtime/heldout.py``: ``heldout_acceptance_length``, ``heldout_accept_rate_i``, ...).
+
+Window times leave out what the trainer marks with :meth:`MetricsLogger.exclude_time` (the
+held-out decodes), so ``samples_per_s`` and ``step_time_s`` are the training's own.
 """
 
 import resource
@@ -63,8 +70,10 @@ def format_line(record: MetricsRecord) -> str:
         ("grad_norm", "grad_norm", ".3f"),
         ("capture_share", "capture", ".0%"),
         ("bubble", "bubble", ".0%"),
+        ("budget_fraction", "budget", ".0%"),
+        ("heldout_acceptance_length", "heldout_len", ".3f"),
     ):
-        if key in record:
+        if record.get(key) is not None:
             parts.append(f"{label}={record[key]:{fmt}}")
     for key in ("peak_mem_allocated_bytes", "peak_rss_bytes"):
         if key in record:
@@ -106,6 +115,7 @@ class MetricsLogger:
 
     def _reset(self) -> None:
         self.window_start = time.perf_counter()
+        self.excluded_s = 0.0
         self.sums: dict[str, torch.Tensor] = {}
         self.samples = 0
         self.wait_s = 0.0
@@ -153,14 +163,19 @@ class MetricsLogger:
         self.grad_norm_sum += grad_norm
         self.lr = lr
 
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` spent on this rank in the current window out of its window time."""
+        self.excluded_s += seconds
+
     def discard_after(self, step: int) -> None:
         """Drop records of steps after ``step`` (a crashed run's tail, before resuming at ``step``)."""
         if self.d.is_main:
             self.file.truncate_after(step)
 
-    def flush(self, step: int) -> MetricsRecord | None:
-        """Reduce the window over ranks (collective) and publish it on rank 0; returns the record there."""
-        elapsed = time.perf_counter() - self.window_start
+    def flush(self, step: int, extra: MetricsRecord | None = None) -> MetricsRecord | None:
+        """Reduce the window over ranks (collective) and publish it on rank 0 with ``extra`` (rank 0's
+        figures, added as given); returns the record there."""
+        elapsed = time.perf_counter() - self.window_start - self.excluded_s
         keys = sorted(self.sums)
         values = torch.cat([self.sums[k].reshape(-1).cpu() for k in keys]).tolist() if keys else []
         summed = all_reduce(self.d, values + [self.captures, self.captured_tokens, self.wait_s, self.capture_s])
@@ -195,6 +210,7 @@ class MetricsLogger:
             time=time.time(),
         )
         record.update({k: int(v) for k, v in zip(memory, peaks[2:])})
+        record.update(extra or {})
         self.file.append(record)
         if self.echo:
             print(format_line(record), flush=True)

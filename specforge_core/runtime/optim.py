@@ -57,7 +57,9 @@ class DraftOptimizer:
     Per micro-batch call :meth:`backward`; after exactly ``accumulation_steps`` of them call
     :meth:`step`. Gradients are reduce-scattered only on the last micro-batch of a window; the loss
     is divided by ``accumulation_steps`` so a window's gradient is the mean over its micro-batches.
-    ``optimizer`` and ``scheduler`` are public for checkpointing.
+    ``optimizer`` and ``scheduler`` are public for checkpointing. The schedule runs over
+    ``total_steps``, or with ``lr_by_progress`` over the progress given by :meth:`set_progress`
+    (a time budget: ``runtime/schedule.py``).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class DraftOptimizer:
         total_steps: int,
         warmup_ratio: float,
         lr_scheduler: Literal["cosine", "constant"],
+        lr_by_progress: bool = False,
     ):
         self.root = root
         self.params = [p for p in root.parameters() if p.requires_grad]  # type: ignore[attr-defined]
@@ -80,9 +83,15 @@ class DraftOptimizer:
         self.accumulation_steps = accumulation_steps
         self.optimizer = AdamW(self.params, lr=learning_rate, weight_decay=weight_decay)
         self.scheduler = build_scheduler(
-            self.optimizer, total_steps=total_steps, warmup_ratio=warmup_ratio, kind=lr_scheduler
+            self.optimizer, total_steps=total_steps, warmup_ratio=warmup_ratio, kind=lr_scheduler,
+            by_progress=lr_by_progress,
         )
         self.micro_batches = 0  # in the current accumulation window
+
+    def set_progress(self, progress: float) -> None:
+        """A schedule by progress (``lr_by_progress``): the fraction of the run done. The next
+        :meth:`step` still applies the rate set before; it then sets the following update's from this."""
+        self.scheduler.lr_lambdas[0].progress = progress
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of one micro-batch's loss (synchronising on the window's last)."""

@@ -4,7 +4,7 @@
                       open_stream=lambda start: RolloutStream.from_plan(plan, d.rank, rows, backend,
                                                                         start_sample=start),
                       contract=contract, write_draft_files=write_draft_files)
-    trainer.fit()       # resume (per training.resume) → train to the plan's horizon → final save
+    trainer.fit()       # resume (per training.resume) → train to the horizon or the budget → final save
 
 ``python -m specforge_core.train`` builds these pieces from a run config (``runtime/builder.py``);
 this module knows no draft family: the ``objective(draft, batch) -> (loss, sums)`` computes the loss and the
@@ -16,11 +16,25 @@ schedule. Logs every ``log_interval`` steps and at the end; saves every ``save_i
 (0: never in between) and at the end. No ``torch.cuda.empty_cache()``: the captured batch is
 released by dropping the last reference before the next capture, and the allocator reuses it.
 
+When it stops: at the plan's horizon, or with ``training.time_budget`` at the first whole
+optimizer step whose update finds the budget spent, whichever comes first; the learning rate then
+follows the run's progress (``runtime/budget.py``: the larger of the budget's fraction spent and
+the horizon's fraction trained) instead of the step count. The training clock
+(``train_seconds`` in the metrics and the checkpoint) leaves out checkpoint saves and held-out
+decodes. With ``training.heldout.interval`` = N, every N steps and at the last one the ranks
+gather the draft's weights and rank 0 decodes a few held-out prompts (``runtime/heldout.py``);
+the figures join that step's metrics record.
+
 What resume guarantees: the run continues from the newest complete checkpoint with the same
 weights, optimizer, schedule, RNG and data position (the stream skips the consumed prompts without
 capturing them) after :func:`~specforge_core.runtime.checkpoint.check_resume` has found the
 recorded contract equal to this run's — so the resumed run trains exactly what the uninterrupted
-one would have.
+one would have. A budgeted run resumes its clock from the checkpoint's ``train_seconds`` and
+its schedule from the checkpoint's scheduler state, and stops when the same total is spent; it is
+not bit-reproducible (wall time never is), and neither is the number of steps it trains. Without a
+budget nothing here reads the clock except to report it: the same config trains the same weights.
+Held-out decodes run on their own copies of the weights and the target under a forked RNG, so they
+change nothing the ranks train.
 """
 
 import hashlib
@@ -36,6 +50,7 @@ from specforge_core.capture.base import CapturedBatch
 from specforge_core.config import RunConfig, dump_config
 from specforge_core.errors import ResumeError
 from specforge_core.run.plan import PromptPlan
+from specforge_core.runtime.budget import TrainClock, budget_progress
 from specforge_core.runtime.checkpoint import (
     TRAIN_STATE,
     check_resume,
@@ -44,12 +59,14 @@ from specforge_core.runtime.checkpoint import (
     read_train_state,
     save_checkpoint,
 )
-from specforge_core.runtime.distributed import Dist
+from specforge_core.runtime.distributed import Dist, broadcast_object
 from specforge_core.runtime.metrics import MetricsLogger
 from specforge_core.runtime.optim import DraftOptimizer, shard
 from specforge_core.runtime.rollout import RolloutStream
 
 Objective = Callable[[nn.Module, CapturedBatch], tuple[torch.Tensor, dict]]
+# rank 0's held-out decode: the draft's full weights (no frozen parameters) → figures for the metrics
+HeldOutDecode = Callable[[dict[str, torch.Tensor]], dict[str, float]]
 
 # Training options that change what a step computes: resuming with other values is refused.
 _OPTIMIZATION_FIELDS = (
@@ -96,9 +113,12 @@ def training_contract(
     The plan record (dataset size, seed, epochs, world size, tp size and island count, batch,
     accumulation, max_steps, permutation checksum, horizon), the identities of the prompt cache,
     vocab map (None for a family without one), target and draft config, and the optimisation
-    options, with the draft family's own (``family_fields``, e.g. DFlash's block size).
+    options, with the draft family's own (``family_fields``, e.g. DFlash's block size), and the
+    time budget in seconds when one is set (a run without one records no such field, as before).
     """
     optimization = {name: getattr(cfg.training, name) for name in _OPTIMIZATION_FIELDS}
+    if cfg.training.time_budget_s is not None:
+        optimization["time_budget_s"] = cfg.training.time_budget_s
     optimization.update(family_fields or {})
     return {
         "plan": plan.to_json(),
@@ -154,6 +174,7 @@ def build_step(cfg: RunConfig, d: Dist, draft: nn.Module, objective: Objective, 
         total_steps=total_steps,
         warmup_ratio=t.warmup_ratio,
         lr_scheduler=t.lr_scheduler,
+        lr_by_progress=t.time_budget_s is not None,
     )
     return root, optimizer
 
@@ -174,6 +195,7 @@ class Trainer:
         contract: dict,
         write_draft_files: Callable[[Path, dict[str, torch.Tensor]], None],
         loss_is_sum: bool = False,
+        heldout: HeldOutDecode | None = None,
         echo: bool = True,
     ):
         t = cfg.training
@@ -191,9 +213,16 @@ class Trainer:
         self.contract = contract
         self.write_draft_files = write_draft_files
         self.loss_is_sum = loss_is_sum
+        self.time_budget_s = t.time_budget_s
+        self.heldout_interval = t.heldout.interval
+        if self.heldout_interval and heldout is None and d.is_main:
+            raise ValueError("training.heldout.interval is set but rank 0 was given no held-out decode")
+        self.heldout = heldout  # rank 0's; the other ranks only take part in the weight gather
         self.echo = echo
         self.step = 0  # optimizer steps done
         self.consumed_samples = 0  # samples this rank has trained (the plan's resume cursor)
+        self.clock = TrainClock()
+        self.train_seconds = 0.0  # the clock at the last update (agreed over ranks with a budget)
         self.resumed_from: Path | None = None
 
     # ---- resume --------------------------------------------------------------------------------
@@ -228,6 +257,8 @@ class Trainer:
         )
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples_per_rank"]
+        self.train_seconds = state.get("train_seconds", 0.0)  # absent in checkpoints older than the budget
+        self.clock = TrainClock(self.train_seconds)
         self.metrics.discard_after(self.step)
         self.resumed_from = ckpt
         if self.d.is_main and self.echo:
@@ -236,24 +267,70 @@ class Trainer:
 
     # ---- loop ----------------------------------------------------------------------------------
 
+    def budget_spent(self) -> bool:
+        return self.time_budget_s is not None and self.train_seconds >= self.time_budget_s
+
     def fit(self) -> None:
-        """Resume if there is something to resume, train to the horizon, save the final checkpoint."""
+        """Resume if there is something to resume, train to the horizon or until the time budget is
+        spent, save the final checkpoint."""
         self.resume()
-        if self.step >= self.total_steps:
+        if self.step >= self.total_steps or self.budget_spent():
             return
         stream = self.open_stream(self.consumed_samples)
+        t = self.cfg.training
+        self.clock.start()
         try:
-            while self.step < self.total_steps:
+            while True:
                 self._optimizer_step(stream)
                 self.step += 1
-                last = self.step == self.total_steps
-                if last or self.step % self.cfg.training.log_interval == 0:
-                    self.metrics.flush(self.step)
-                interval = self.cfg.training.save_interval
-                if last or (interval and self.step % interval == 0):
-                    self.save()
+                last = self.step == self.total_steps or self.budget_spent()
+                decode = bool(self.heldout_interval) and (last or self.step % self.heldout_interval == 0)
+                extra = self._heldout_figures() if decode else {}
+                if last or decode or self.step % t.log_interval == 0:
+                    self.metrics.flush(self.step, extra={**self._clock_figures(), **extra})
+                if last or (t.save_interval and self.step % t.save_interval == 0):
+                    with self.clock.paused():
+                        self.save()
+                if last:
+                    break
         finally:
             stream.close()
+        if self.time_budget_s is not None and self.d.is_main and self.echo:
+            why = "time budget spent" if self.budget_spent() else "the plan's horizon ended the run"
+            print(f"{why}: {self.step}/{self.total_steps} steps, {self.train_seconds:.1f} s of training "
+                  f"({self.train_seconds / self.time_budget_s:.0%} of training.time_budget={t.time_budget})",
+                  flush=True)
+
+    def _clock_figures(self) -> dict[str, float]:
+        figures = {"train_seconds": self.train_seconds}
+        if self.time_budget_s is not None:
+            figures["budget_fraction"] = self.train_seconds / self.time_budget_s
+        return figures
+
+    def _heldout_figures(self) -> dict[str, float]:
+        """Collective: gather the draft's full weights, decode on rank 0, share its outcome.
+
+        Paused on the training clock and left out of the metrics window, on every rank (the
+        others wait for rank 0). A failure on rank 0 is raised on every rank.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        start = time.perf_counter()
+        figures, error = {}, None
+        with self.clock.paused():
+            state = get_model_state_dict(self.draft, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))  # whole on rank 0 only
+            if self.d.is_main:
+                try:
+                    figures = self.heldout(state)
+                except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                    error = e
+            del state
+            error = broadcast_object(self.d, error)
+        if error is not None:
+            raise error
+        self.metrics.exclude_time(time.perf_counter() - start)
+        return figures
 
     def _optimizer_step(self, stream: RolloutStream) -> None:
         stats = stream.stats
@@ -289,6 +366,13 @@ class Trainer:
                 staged_bytes=stats.peak_staged_bytes,
             )
         scale = sum_loss_grad_scale(self.d, float(weight), self.accumulation_steps) if self.loss_is_sum else None
+        if self.time_budget_s is None:
+            self.train_seconds = self.clock.read()
+        else:
+            self.train_seconds = self.clock.agree(self.d)
+            # this update applies the rate set at the last one; the next one's follows from here
+            self.optimizer.set_progress(budget_progress(
+                self.train_seconds, self.time_budget_s, steps_done=self.step + 1, total_steps=self.total_steps))
         self.metrics.add_step(**self.optimizer.step(scale))
 
     # ---- save ----------------------------------------------------------------------------------
@@ -299,6 +383,7 @@ class Trainer:
             "consumed_samples_per_rank": self.consumed_samples,
             "consumed_samples": self.consumed_samples * self.d.world_size,
             "total_steps": self.total_steps,
+            "train_seconds": self.train_seconds,
             "contract": self.contract,
             "config": dump_config(self.cfg),
         }

