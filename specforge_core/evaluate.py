@@ -19,6 +19,10 @@ stderr. Either way one JSON line with the numbers is printed (docs/validation.md
 
 import sys
 
+from specforge_core.runtime.host import prefer_passive_omp_wait
+
+prefer_passive_omp_wait()  # before torch is imported: decoding on busy cores is several times faster with it
+
 from pydantic import ValidationError
 
 from specforge_core.cli import command_parser, load_run_config, run_command

@@ -9,6 +9,10 @@ one JSON line with the counts and throughput (``specforge_core/decoding/answerin
 """
 
 import sys
+
+from specforge_core.runtime.host import prefer_passive_omp_wait
+
+prefer_passive_omp_wait()  # before torch is imported: decoding on busy cores is several times faster with it
 from pathlib import Path
 
 from specforge_core.cli import command_parser, load_run_config, run_command

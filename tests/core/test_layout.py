@@ -35,6 +35,11 @@ ALLOWED = {
     "deployments": {"prefect", "flows", "tasks"},
     "fixtures": {"errors", "capture"},
 }
+# one module may reach one floor further than its floor's row, for the reason given
+MODULE_EXCEPTIONS = {
+    # the held-out decode during training runs the evaluator's own decoding (docs/validation-sharegpt.md)
+    "specforge_core.runtime.heldout": {"decoding"},
+}
 PROJECT = ("specforge_core", "tasks", "flows", "deployments", "fixtures", "prefect")
 
 
@@ -76,7 +81,7 @@ def imports() -> list[tuple[str, str, str]]:
 
 def allowed(source: str, target: str) -> bool:
     src, dst = floor(source), floor(target)
-    if src == dst or dst in ALLOWED[src]:
+    if src == dst or dst in ALLOWED[src] or dst in MODULE_EXCEPTIONS.get(source, ()):
         return True
     return any(rule == f"{dst}:{target}" or (rule.startswith(f"{dst}:") and target.startswith(rule.split(":")[1]))
                for rule in ALLOWED[src])
