@@ -111,12 +111,12 @@ def target_forward_tokens_per_s(model, batch: int, seq: int, capture_ids=None) -
     return batch * seq / timed(run)
 
 
-def peer_draft_step_tokens_per_s(shape: str, batch: int, seq: int, ttt_length: int = 7, vocab_d: int = 32000):
-    """SpecForge 0.2.0's EAGLE3 draft step (flex attention, Triton loss, forward+backward+AdamW).
-
-    Returns (tokens/s, peak GiB) or None when the ``specforge`` wheel is not importable.
-    Inputs as SpecForge's online path takes them: full-vocab bf16 target logits.
-    """
+def peer_eagle3_step(shape: str, batch: int, seq: int, ttt_length: int = 7, vocab_d: int = 32000,
+                     teacher: str = "full"):
+    """SpecForge 0.2.0's EAGLE3 draft step (flex attention, Triton loss, forward+backward+AdamW) on
+    random inputs of one dense shape: returns ``step()``, or None when the ``specforge`` wheel is not
+    importable. ``teacher="full"``: full-vocab bf16 target logits, as its online path takes them;
+    ``"compact"``: its offline path's teacher built per vocab chunk from the last hidden state."""
     try:
         from specforge.algorithms.eagle3.model import OnlineEagle3Model
         from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
@@ -141,7 +141,6 @@ def peer_draft_step_tokens_per_s(shape: str, batch: int, seq: int, ttt_length: i
         pad_token_id=0,
     )
     dcfg.draft_vocab_size = vocab_d
-    torch.cuda.reset_peak_memory_stats()
     with torch.device("cuda"):
         draft = LlamaForCausalLMEagle3(dcfg, attention_backend="flex_attention").to(torch.bfloat16)
     draft.embed_tokens.weight.requires_grad_(False)
@@ -157,21 +156,80 @@ def peer_draft_step_tokens_per_s(shape: str, batch: int, seq: int, ttt_length: i
     mask = torch.ones(batch, seq, dtype=torch.long, device="cuda")
     loss_mask = torch.ones(batch, seq, 1, device="cuda")  # SpecForge 0.2.0 takes it as [B, T, 1]
     aux = torch.randn(batch, seq, 3 * H, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(batch, seq, tcfg.vocab_size, device="cuda", dtype=torch.bfloat16)
+    if teacher == "full":
+        inputs = {"target": torch.randn(batch, seq, tcfg.vocab_size, device="cuda", dtype=torch.bfloat16)}
+    else:
+        inputs = {"target": None, "target_hidden_for_compact": torch.randn(batch, seq, H, device="cuda", dtype=torch.bfloat16),
+                  "target_head_weight": torch.randn(tcfg.vocab_size, H, device="cuda", dtype=torch.bfloat16) * H**-0.5}
 
     def step():
-        out = model(input_ids=ids, attention_mask=mask, target=logits, loss_mask=loss_mask, hidden_states=aux)
-        plosses = out[0]
-        loss = sum(0.8**i * p for i, p in enumerate(plosses))
+        out = model(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, hidden_states=aux, **inputs)
+        loss = sum(0.8**i * p for i, p in enumerate(out[0]))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step
+
+
+def peer_draft_step_tokens_per_s(shape: str, batch: int, seq: int, ttt_length: int = 7, vocab_d: int = 32000):
+    """(tokens/s, peak GiB) of :func:`peer_eagle3_step`, or None without the wheel."""
+    step = peer_eagle3_step(shape, batch, seq, ttt_length, vocab_d)
+    if step is None:
+        return None
+    torch.cuda.reset_peak_memory_stats()  # the peak from here counts the live inputs and modules
     s = timed(step, warmup=2, iters=5)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    del model, draft, opt, logits, aux
+    del step
     torch.cuda.empty_cache()
     return batch * seq / s, peak
+
+
+def peer_dflash_step(shape: str, batch: int, seq: int, *, num_layers: int, block_size: int, num_anchors: int,
+                     mask_token_id: int, target_layer_ids: list[int], loss_decay_gamma: float | None = 7.0):
+    """SpecForge 0.2.0's DFlash draft step (``DFlashDraftModel`` + ``OnlineDFlashModel``, flex
+    attention, forward+backward+AdamW) on random inputs of one dense shape, the target's lm_head and
+    embeddings frozen: returns ``step()``, or None when the ``specforge`` wheel is not importable."""
+    try:
+        from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
+        from specforge.modeling.draft.dflash import DFlashDraftModel
+    except Exception as e:
+        print(f"peer: specforge DFlash not importable ({type(e).__name__}: {e})")
+        return None
+    from transformers import Qwen3Config
+
+    tcfg = target_config(shape)
+    dcfg = Qwen3Config(
+        hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
+        head_dim=getattr(tcfg, "head_dim", tcfg.hidden_size // tcfg.num_attention_heads), vocab_size=tcfg.vocab_size,
+        max_position_embeddings=tcfg.max_position_embeddings, rms_norm_eps=tcfg.rms_norm_eps,
+        rope_theta=tcfg.rope_parameters["rope_theta"], tie_word_embeddings=False,
+        layer_types=["full_attention"] * num_layers,
+    )
+    dcfg.num_target_layers = tcfg.num_hidden_layers
+    dcfg.block_size = block_size
+    dcfg.dflash_config = {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id}
+    H, V = tcfg.hidden_size, tcfg.vocab_size
+    with torch.device("cuda"):
+        draft = DFlashDraftModel(dcfg).to(torch.bfloat16)
+        lm_head = torch.nn.Linear(H, V, bias=False).to(torch.bfloat16).requires_grad_(False)
+        embed = torch.nn.Embedding(V, H).to(torch.bfloat16).requires_grad_(False)
+    model = OnlineDFlashModel(draft, lm_head, embed, mask_token_id=mask_token_id, block_size=block_size,
+                              attention_backend="flex_attention", num_anchors=num_anchors,
+                              loss_decay_gamma=loss_decay_gamma)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(V, (batch, seq), device="cuda")
+    loss_mask = torch.ones(batch, seq, device="cuda")
+    hidden = torch.randn(batch, seq, len(target_layer_ids) * H, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        loss, _, _ = model(input_ids=ids, hidden_states=hidden, loss_mask=loss_mask)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
 def flop_bound_tokens_per_s(shape: str, tflops: float, ttt_length: int = 7, vocab_d: int = 32000) -> float:

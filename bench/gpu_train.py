@@ -19,11 +19,12 @@ Phases (``--phases``, default all):
 - ``train``: the end-to-end loop (stream → objective → backward → optimizer), steady-state
   tokens/s and samples/s, capture share, padding, peak memory, peak staged features, seconds from
   launch to the first optimizer step;
-- ``peer``: SpecForge 0.2.0's draft step on the same dense shapes as ``draft`` (EAGLE3 only).
+- ``peer``: SpecForge 0.2.0's draft step of the same family on the same dense shapes as ``draft``.
 
 ``--family dflash`` times the DFlash family instead (``--dflash-layers`` captured layers and draft
 layers, block ``--dflash-block``): capture without the final hidden, the DFlash objective, the
-same builder; its peer (SpecForge 0.2.0's ``dflash_family_model.py``) is not wired yet.
+same builder; its peer is SpecForge 0.2.0's ``DFlashDraftModel`` + ``OnlineDFlashModel``
+(``dflash_family_model.py``) with the same layers, block, anchors, mask id and loss decay.
 
 Every figure is printed as one ``key=value`` line and written to ``DIR/results.json``; the last
 line is ``vs_peer=<x>``: our end-to-end tokens/s over the serial combination of plain capture
@@ -193,9 +194,11 @@ def check_packed_equals_unpacked(backend, request, token_budget) -> None:
         alone = backend.capture(replace(request, input_ids=request.input_ids[i : i + 1],
                                         loss_mask=request.loss_mask[i : i + 1], local=slice(0, 1)))
         where, length = packed.seq_ids == i, len(request.input_ids[i])
-        worst = max(worst, rel(packed.aux_hidden[where], alone.aux_hidden[0]), rel(packed.last_hidden[where], alone.last_hidden[0]))
-        noise = max(noise, rel(padded.aux_hidden[i, :length], alone.aux_hidden[0]),
-                    rel(padded.last_hidden[i, :length], alone.last_hidden[0]))
+        worst = max(worst, rel(packed.aux_hidden[where], alone.aux_hidden[0]))
+        noise = max(noise, rel(padded.aux_hidden[i, :length], alone.aux_hidden[0]))
+        if alone.last_hidden is not None:  # DFlash captures no final hidden
+            worst = max(worst, rel(packed.last_hidden[where], alone.last_hidden[0]))
+            noise = max(noise, rel(padded.last_hidden[i, :length], alone.last_hidden[0]))
     report("packed_vs_alone_rel_err", worst)
     report("padded_vs_alone_rel_err", noise)  # the same samples through the padded, masked kernel: bf16 noise
 
@@ -330,10 +333,24 @@ def phase_train(args, backend, rows, variant: str) -> None:
     del loop
 
 
-def phase_peer(args) -> None:
+def phase_peer(args, backend) -> None:
+    """SpecForge 0.2.0's draft step of the same family on the same dense shapes."""
     best = None
     for b, t in args.draft_shapes:
-        out = ref.peer_draft_step_tokens_per_s(args.shape, b, t, ttt_length=args.ttt_length, vocab_d=args.vocab_d)
+        if args.family == "dflash":
+            dflash = run_config(args).draft.dflash
+            step = ref.peer_dflash_step(args.shape, b, t, num_layers=args.dflash_layers, block_size=args.dflash_block,
+                                        num_anchors=dflash.num_anchors, mask_token_id=args.dflash_mask,
+                                        target_layer_ids=list(backend.layer_ids),
+                                        loss_decay_gamma=dflash.loss_decay_gamma)
+            if step is not None:
+                torch.cuda.reset_peak_memory_stats()
+            out = None if step is None else (b * t / ref.timed(step, warmup=2, iters=args.steps),
+                                             torch.cuda.max_memory_allocated() / 2**30)
+            del step
+            torch.cuda.empty_cache()
+        else:
+            out = ref.peer_draft_step_tokens_per_s(args.shape, b, t, ttt_length=args.ttt_length, vocab_d=args.vocab_d)
         if out is None:
             return
         tps, peak = out
@@ -430,15 +447,13 @@ def main(argv=None) -> None:
              ("capture", lambda: phase_capture(args, backend, rows))]
     for variant in args.draft_variants:
         if variant == "compiled":
-            steps.append(("peer", lambda: phase_peer(args)))
+            steps.append(("peer", lambda: phase_peer(args, backend)))
             if "compile" in args.capture_variants:
                 steps.append(("capture_compiled", lambda: phase_capture_compiled(args, backend, rows)))
         steps.append((f"draft_{variant}", lambda v=variant: phase_draft(args, backend, v)))
         steps.append((f"train_{variant}", lambda v=variant: phase_train(args, backend, rows, v)))
     if "compiled" not in args.draft_variants:
-        steps.append(("peer", lambda: phase_peer(args)))
-    if args.family != "eagle3":  # the peer step is EAGLE3's
-        steps = [(n, f) for n, f in steps if n != "peer"]
+        steps.append(("peer", lambda: phase_peer(args, backend)))
     for name, fn in steps:
         if name.split("_")[0] in args.phases:
             run_phase(name, fn, args)

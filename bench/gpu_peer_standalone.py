@@ -1,0 +1,74 @@
+"""SpecForge 0.2.0's EAGLE3 draft step alone: the peer's figure with nothing of ours in the process.
+
+    python bench/gpu_peer_standalone.py --shape qwen3-8b --shapes 1x4096,4x2048
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/gpu_peer_standalone.py   # the bench's allocator
+
+Needs torch, transformers and the ``specforge==0.2.0`` wheel (``--no-deps``). Builds the peer's
+modules exactly as ``bench/gpu_train.py``'s peer phase does (``gpu_reference.peer_eagle3_step``:
+SpecForge's ``LlamaForCausalLMEagle3`` + ``OnlineEagle3Model``, flex attention, its Triton loss,
+AdamW) but imports nothing of ``specforge_core``, builds no target and leaves the allocator as the
+environment says. Per shape: ``--warmup`` steps, then ``--iters`` steps each timed by CUDA events;
+prints median and mean tokens/s as ``key=value`` lines and a ``RESULT {json}`` line.
+
+``--teacher compact`` times SpecForge's offline teacher instead (built per vocab chunk from the last
+hidden state rather than read from full-vocab logits).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.gpu_reference import peer_eagle3_step  # noqa: E402  (torch + transformers + specforge only)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "llama3-8b"])
+    ap.add_argument("--shapes", default="1x4096,4x2048", help="dense batch×seq shapes")
+    ap.add_argument("--ttt-length", type=int, default=7)
+    ap.add_argument("--vocab-d", type=int, default=32000)
+    ap.add_argument("--teacher", default="full", choices=["full", "compact"])
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    out = {"shape": args.shape, "teacher": args.teacher, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+           "warmup": args.warmup, "iters": args.iters}
+    for text in args.shapes.split(","):
+        b, t = (int(x) for x in text.split("x"))
+        torch.cuda.reset_peak_memory_stats()
+        step = peer_eagle3_step(args.shape, b, t, args.ttt_length, args.vocab_d, teacher=args.teacher)
+        if step is None:
+            return 1
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        key = f"standalone_{b}x{t}"
+        out[f"{key}_tokens_per_s_median"] = round(b * t / statistics.median(times), 1)
+        out[f"{key}_tokens_per_s_mean"] = round(b * t / statistics.mean(times), 1)
+        out[f"{key}_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        for k in (f"{key}_tokens_per_s_median", f"{key}_tokens_per_s_mean", f"{key}_peak_gib"):
+            print(f"{k}={out[k]}", flush=True)
+        del step
+        torch.cuda.empty_cache()
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
