@@ -1,13 +1,16 @@
-"""SpecForge 0.2.0's EAGLE3 draft step alone: the peer's figure with nothing of ours in the process.
+"""SpecForge 0.2.0's draft step alone: the peer's figure with nothing of ours in the process.
 
     python bench/gpu_peer_standalone.py --shape qwen3-8b --shapes 1x4096,4x2048
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/gpu_peer_standalone.py   # the bench's allocator
+    python bench/gpu_peer_standalone.py --family dflash --dflash-layer-ids 1,9,17,25,33
 
 Needs torch, transformers and the ``specforge==0.2.0`` wheel (``--no-deps``). Builds the peer's
-modules exactly as ``bench/gpu_train.py``'s peer phase does (``gpu_reference.peer_eagle3_step``:
-SpecForge's ``LlamaForCausalLMEagle3`` + ``OnlineEagle3Model``, flex attention, its Triton loss,
-AdamW) but imports nothing of ``specforge_core``, builds no target and leaves the allocator as the
-environment says. Per shape: ``--warmup`` steps, then ``--iters`` steps each timed by CUDA events;
+modules with ``bench/gpu_reference.py`` (EAGLE3: SpecForge's ``LlamaForCausalLMEagle3`` +
+``OnlineEagle3Model``, flex attention, its Triton loss, AdamW; DFlash: ``DFlashDraftModel`` +
+``OnlineDFlashModel``) but imports nothing of ``specforge_core``, builds no target and leaves the
+allocator as the environment says. ``bench/gpu_train.py``'s peer phase runs this script in a
+process of its own with the allocator at its default: measured 2026-12-01, expandable segments
+(the bench's own setting) cost the peer 19-20 % (its step empties the CUDA cache every forward). Per shape: ``--warmup`` steps, then ``--iters`` steps each timed by CUDA events;
 prints median and mean tokens/s as ``key=value`` lines and a ``RESULT {json}`` line.
 
 ``--teacher compact`` times SpecForge's offline teacher instead (built per vocab chunk from the last
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.gpu_reference import peer_eagle3_step  # noqa: E402  (torch + transformers + specforge only)
+from bench.gpu_reference import peer_dflash_step, peer_eagle3_step  # noqa: E402  (torch + transformers + specforge)
 
 
 def main(argv=None) -> int:
@@ -35,16 +38,28 @@ def main(argv=None) -> int:
     ap.add_argument("--ttt-length", type=int, default=7)
     ap.add_argument("--vocab-d", type=int, default=32000)
     ap.add_argument("--teacher", default="full", choices=["full", "compact"])
+    ap.add_argument("--family", default="eagle3", choices=["eagle3", "dflash"])
+    ap.add_argument("--dflash-layer-ids", default="1,9,17,25,33", help="captured target layers (= draft layers)")
+    ap.add_argument("--dflash-block", type=int, default=16)
+    ap.add_argument("--dflash-anchors", type=int, default=512)
+    ap.add_argument("--dflash-mask", type=int, default=151669)
+    ap.add_argument("--dflash-gamma", type=float, default=7.0)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    out = {"shape": args.shape, "teacher": args.teacher, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+    out = {"shape": args.shape, "family": args.family, "teacher": args.teacher, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
            "warmup": args.warmup, "iters": args.iters}
     for text in args.shapes.split(","):
         b, t = (int(x) for x in text.split("x"))
         torch.cuda.reset_peak_memory_stats()
-        step = peer_eagle3_step(args.shape, b, t, args.ttt_length, args.vocab_d, teacher=args.teacher)
+        if args.family == "dflash":
+            layers = [int(x) for x in args.dflash_layer_ids.split(",")]
+            step = peer_dflash_step(args.shape, b, t, num_layers=len(layers), block_size=args.dflash_block,
+                                    num_anchors=args.dflash_anchors, mask_token_id=args.dflash_mask,
+                                    target_layer_ids=layers, loss_decay_gamma=args.dflash_gamma)
+        else:
+            step = peer_eagle3_step(args.shape, b, t, args.ttt_length, args.vocab_d, teacher=args.teacher)
         if step is None:
             return 1
         for _ in range(args.warmup):

@@ -172,19 +172,6 @@ def peer_eagle3_step(shape: str, batch: int, seq: int, ttt_length: int = 7, voca
     return step
 
 
-def peer_draft_step_tokens_per_s(shape: str, batch: int, seq: int, ttt_length: int = 7, vocab_d: int = 32000):
-    """(tokens/s, peak GiB) of :func:`peer_eagle3_step`, or None without the wheel."""
-    step = peer_eagle3_step(shape, batch, seq, ttt_length, vocab_d)
-    if step is None:
-        return None
-    torch.cuda.reset_peak_memory_stats()  # the peak from here counts the live inputs and modules
-    s = timed(step, warmup=2, iters=5)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    del step
-    torch.cuda.empty_cache()
-    return batch * seq / s, peak
-
-
 def peer_dflash_step(shape: str, batch: int, seq: int, *, num_layers: int, block_size: int, num_anchors: int,
                      mask_token_id: int, target_layer_ids: list[int], loss_decay_gamma: float | None = 7.0):
     """SpecForge 0.2.0's DFlash draft step (``DFlashDraftModel`` + ``OnlineDFlashModel``, flex
@@ -207,6 +194,7 @@ def peer_dflash_step(shape: str, batch: int, seq: int, *, num_layers: int, block
         rope_theta=tcfg.rope_parameters["rope_theta"], tie_word_embeddings=False,
         layer_types=["full_attention"] * num_layers,
     )
+    dcfg._attn_implementation = "flex_attention"  # OnlineDFlashModel builds a BlockMask for it
     dcfg.num_target_layers = tcfg.num_hidden_layers
     dcfg.block_size = block_size
     dcfg.dflash_config = {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id}

@@ -250,6 +250,7 @@ def phase_peer(out_dir: Path, steps: int = 5) -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(k, v)
+    shim = _without_dp_attention()
     from specforge.distributed import init_distributed
     from specforge.offline_capture.sglang_backend.capture import OfflineSGLangCaptureBackend
 
@@ -299,7 +300,30 @@ def phase_peer(out_dir: Path, steps: int = 5) -> None:
     result(phase="peer-qwen3-8b", specforge_capture_padded_tokens_per_s=round(pad_tps),
            specforge_capture_per_sample_tokens_per_s=round(one_tps),
            specforge_capture_best_tokens_per_s=round(max(pad_tps, one_tps)), specforge_engine_start_s=round(start_s, 1),
-           tokens_per_capture=tokens, engine_kwargs=sorted(kwargs))
+           tokens_per_capture=tokens, engine_kwargs=sorted(kwargs), dp_attention_shim=shim)
+
+
+def _without_dp_attention() -> bool:
+    """The peer's capture module imports SGLang's DP-attention batch preparation, whose import chain
+    reaches flashinfer's ``cuda.tile`` kernels, which the trimmed kit leaves out. The peer calls it
+    only with DP attention (``require_mlp_sync``), off here: where the import fails, a stand-in that
+    refuses to run takes its place. True when the stand-in was needed."""
+    import types
+
+    name = "sglang.srt.managers.scheduler_components.dp_attn"
+    try:
+        __import__(name)
+        return False
+    except ModuleNotFoundError as e:
+        print(f"peer: {name} does not import here ({e}); DP attention is off, so a refusing stand-in takes its place")
+
+    def prepare_mlp_sync_batch_raw(*args, **kwargs):
+        raise RuntimeError("DP attention is not available in this SGLang kit")
+
+    stub = types.ModuleType(name)
+    stub.prepare_mlp_sync_batch_raw = prepare_mlp_sync_batch_raw
+    sys.modules[name] = stub
+    return True
 
 
 def prepare(gpu_dir: Path) -> None:
