@@ -362,7 +362,14 @@ def prepare(gpu_dir: Path) -> None:
     hf["output"]["dir"] = str(rel / "runs" / "hf-cpu")
     (gpu_dir / "train-hf-cpu.yaml").write_text(yaml.safe_dump(hf, sort_keys=False))
     assert prepare_main(["--config", str(gpu_dir / "train-hf-cpu.yaml")]) == 0
-    for name in ("sglang", "hf-cpu"):
+    # TP ≥ 2 layouts, recorded for a machine with 2 or 4 GPUs (docs/performance.md has the commands)
+    for name, world in (("sglang-tp2", 2), ("sglang-2x2", 4)):
+        layout = json.loads(json.dumps(cfg))
+        layout["capture"]["tp_size"] = 2
+        layout["deployment"] = {"nproc_per_node": world}
+        layout["output"]["dir"] = str(rel / "runs" / name)
+        (gpu_dir / f"train-{name}.yaml").write_text(yaml.safe_dump(layout, sort_keys=False))
+    for name in ("sglang", "hf-cpu", "sglang-tp2", "sglang-2x2"):
         record_manifest(gpu_dir / f"train-{name}.yaml")
 
 
