@@ -176,15 +176,21 @@ def phase_train(gpu_dir: Path, out_dir: Path) -> None:
            ok=ok)
 
 
+def shape_batches(out_dir: Path, steps: int):
+    """The Qwen3-8B-shape target (config only: SGLang's dummy weights) and the 2 warm-up + ``steps``
+    timed batches both the seam and the peer capture: (target dir, requests, tokens per batch)."""
+    target = save_random_target(out_dir / "qwen3-8b-shape", "qwen3", QWEN3_8B, weights=False)
+    reqs = [request(QWEN3_8B["vocab_size"], [1024, 700, 900, 300, 1024, 512, 800, 600], seed=s) for s in range(steps + 2)]
+    return target, reqs, sum(len(r) for r in reqs[0].input_ids)
+
+
 def phase_shape(out_dir: Path, steps: int = 5) -> None:
     import torch
 
     from specforge_core.runtime.distributed import init_distributed
 
     init_distributed("cuda")
-    target = save_random_target(out_dir / "qwen3-8b-shape", "qwen3", QWEN3_8B, weights=False)
-    reqs = [request(QWEN3_8B["vocab_size"], [1024, 700, 900, 300, 1024, 512, 800, 600], seed=s) for s in range(steps + 2)]
-    tokens = sum(len(r) for r in reqs[0].input_ids)
+    target, reqs, tokens = shape_batches(out_dir, steps)
 
     def timed(backend) -> float:
         for r in reqs[:2]:
@@ -257,9 +263,7 @@ def phase_peer(out_dir: Path, steps: int = 5) -> None:
     from specforge_core.capture.sglang_args import SGLangEngineArgs
 
     init_distributed(tp_size=1)
-    target = save_random_target(out_dir / "qwen3-8b-shape", "qwen3", QWEN3_8B, weights=False)
-    reqs = [request(QWEN3_8B["vocab_size"], [1024, 700, 900, 300, 1024, 512, 800, 600], seed=s) for s in range(steps + 2)]
-    tokens = sum(len(r) for r in reqs[0].input_ids)
+    target, reqs, tokens = shape_batches(out_dir, steps)
     cfg = run_config(target, "sglang", "capture.sglang.extra={load_format: dummy}")
     # our engine's settings, less what the peer sets itself
     own = {"model_path", "dtype", "trust_remote_code", "enable_return_hidden_states", "disable_cuda_graph",
