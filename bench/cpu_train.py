@@ -16,6 +16,15 @@ Per step it times: ``capture`` (target forward), ``teacher`` (compute_teacher), 
 (the draft forward of TTT step k), ``loss`` (soft CE, argmax, overlap between draft forwards),
 ``fsdp`` (root forward minus the objective: FSDP's pre/post-forward), ``backward``, ``optim``
 (clip + AdamW + schedule) and ``other``. Tokens/s counts real tokens, capture included.
+
+``--variants fsdp,specforge`` trains the peer beside ours on the same captured batches:
+SpecForge 0.2.0's ``LlamaForCausalLMEagle3`` (sdpa) inside its ``OnlineEagle3Model`` (TTT 7, its
+compact teacher from the last hidden state, the same vocab map and frozen embedding), AdamW with
+clip 0.5, imported from the wheel ``make install`` fetches (``python -m fixtures.wheels``). Its
+loss is a Triton kernel, which a CPU cannot run: the bench puts the same formula in torch in its
+place (``PeerKLLoss``: ``-Σ_v mask·p·log_softmax(z)``, averaged over B·T), nothing else of the
+peer is changed. The last line then prints ``vs_specforge`` (ours over the peer in trained
+tokens/s, capture included on both sides) and the same for the draft step alone.
 """
 
 import argparse
@@ -152,6 +161,90 @@ def time_draft_steps(draft: torch.nn.Module, clock: Clock) -> None:
     clock.reset_step = lambda: state.update(k=0)
 
 
+class PeerKLLoss(torch.autograd.Function):
+    """SpecForge 0.2.0's ``LogSoftmaxLoss`` (a Triton kernel) in torch: the row-mean of
+    ``-Σ_v position_mask·target·log_softmax(logits)`` over ``B·T`` (its reference ``_compute_loss``)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, position_mask):
+        log_q = torch.log_softmax(logits.float(), dim=-1)
+        ctx.save_for_backward(log_q, target, position_mask)
+        return -(position_mask * target * log_q).sum(-1).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        log_q, target, position_mask = ctx.saved_tensors
+        n = log_q.shape[0] * log_q.shape[1]
+        masked = position_mask * target
+        grad_logits = (log_q.exp() * masked.sum(-1, keepdim=True) - masked) * (grad / n)
+        return grad_logits, None, None
+
+
+def import_peer():
+    """SpecForge 0.2.0's EAGLE3 modules from its wheel, with ``PeerKLLoss`` as its loss."""
+    import types
+
+    from fixtures.wheels import wheel_path
+
+    sys.path.insert(0, str(wheel_path("specforge", "0.2.0")))
+    import specforge.core  # noqa: F401  (the package, before its loss module is replaced)
+
+    loss = types.ModuleType("specforge.core.loss")
+    loss.LogSoftmaxLoss = PeerKLLoss
+    sys.modules["specforge.core.loss"] = loss
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+
+    return OnlineEagle3Model, LlamaForCausalLMEagle3
+
+
+class PeerStep:
+    """The peer's draft step (see the module docstring), called like ``root(batch)``: forward,
+    then ``backward`` / ``step`` like our ``DraftOptimizer``."""
+
+    def __init__(self, backend, args):
+        from transformers import LlamaConfig
+
+        online_model, eagle3 = import_peer()
+        t = backend.target_config
+        config = LlamaConfig(
+            hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_key_value_heads, head_dim=getattr(t, "head_dim", None), vocab_size=t.vocab_size,
+            num_hidden_layers=1, max_position_embeddings=t.max_position_embeddings, rms_norm_eps=t.rms_norm_eps,
+            rope_theta=t.rope_parameters["rope_theta"], tie_word_embeddings=False, pad_token_id=0,
+        )
+        config.draft_vocab_size = args.vd
+        torch.manual_seed(0)
+        draft = eagle3(config, attention_backend="sdpa")
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(backend.embed_weight)
+            d2t, t2d = random_vocab_map(t.vocab_size, args.vd, seed=1)
+            draft.d2t.copy_(d2t)
+            draft.t2d.copy_(t2d)
+        draft.embed_tokens.weight.requires_grad_(False)
+        self.model = online_model(draft, length=args.ttt, attention_backend="sdpa")
+        self.params = [p for p in draft.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=3e-4)
+        self.head = backend.lm_head_weight
+        self.vocab_chunk = args.vocab_chunk
+
+    def __call__(self, batch):
+        out = self.model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, loss_mask=batch.loss_mask[..., None].float(),
+            hidden_states=batch.aux_hidden, target=None, target_hidden_for_compact=batch.last_hidden,
+            target_head_weight=self.head, compact_teacher_chunk_size=self.vocab_chunk,
+        )
+        return sum(0.8**i * p for i, p in enumerate(out[0])), None
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        torch.nn.utils.clip_grad_norm_(self.params, 0.5)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 def run_config(args):
     """The run config these steps train under (the fields the builder reads)."""
     return load_config(None, [
@@ -163,7 +256,12 @@ def run_config(args):
 
 def build_variant(name: str, target_config, backend, d, args, clock: Clock):
     """A fresh draft (same seed every variant), built by the same builder ``python -m
-    specforge_core.train`` uses, behind the trainer's root and optimizer (``fsdp``) or unsharded."""
+    specforge_core.train`` uses, behind the trainer's root and optimizer (``fsdp``) or unsharded;
+    or the peer's (``specforge``)."""
+    if name == "specforge":
+        peer = PeerStep(backend, args)
+        clock.reset_step = lambda: None
+        return peer, peer
     cfg = run_config(args)
     family = get_family("eagle3")
     d2t, t2d = random_vocab_map(target_config.vocab_size, args.vd, seed=1)
@@ -179,7 +277,7 @@ def build_variant(name: str, target_config, backend, d, args, clock: Clock):
     if name == "fsdp":
         return build_step(cfg, d, draft, objective, total_steps=500, accumulation_steps=1)
     if name != "plain":
-        raise SystemExit(f"unknown variant {name!r}: use fsdp or plain")
+        raise SystemExit(f"unknown variant {name!r}: use fsdp, plain or specforge")
     root = TrainStep(draft, objective)
     root.set_requires_gradient_sync = lambda flag: None  # what DraftOptimizer calls on FSDP roots
     optimizer = DraftOptimizer(
@@ -211,8 +309,11 @@ def breakdown(totals: dict, steps: int, wall: float) -> dict:
     draft = sum(v for k, v in per.items() if k.startswith("draft["))
     out = {"capture": per["capture"], "teacher": per.get("teacher", 0.0)}
     out.update({k: per[k] for k in sorted(per) if k.startswith("draft[")})
-    out["loss"] = per["objective"] - out["teacher"] - draft
-    out["fsdp"] = per["forward"] - per["objective"]
+    if "objective" in per:  # ours: the objective's parts are timed
+        out["loss"] = per["objective"] - out["teacher"] - draft
+        out["fsdp"] = per["forward"] - per["objective"]
+    else:  # the peer: its forward as a whole (teacher, draft steps, loss)
+        out["forward"] = per["forward"]
     out["backward"] = per["backward"]
     out["optim"] = per["optim"]
     out["other"] = wall / steps - sum(per[k] for k in ("capture", "forward", "backward", "optim"))
@@ -223,7 +324,7 @@ def breakdown(totals: dict, steps: int, wall: float) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="measured steps per variant (after 1 warm-up)")
-    ap.add_argument("--variants", default="fsdp", help="comma list of fsdp, plain")
+    ap.add_argument("--variants", default="fsdp", help="comma list of fsdp, plain, specforge (the peer)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--max-length", type=int, default=384)
     ap.add_argument("--lengths", default="110:300", help="LO:HI real row lengths (reference mean 206)")
@@ -288,6 +389,15 @@ def main(argv=None) -> int:
                 train_step(root, optimizer, backend, requests[1], clock)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     load = f"{load_before} → {load_avg()}"
+    if "specforge" in names and len(names) > 1:
+        peer = results["specforge wall"]
+        for name in names:
+            if name == "specforge":
+                continue
+            ours = results[f"{name} wall"]
+            results[f"{name} wall"]["vs_specforge"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+            step = lambda r: r["step"] - r["capture"]  # noqa: E731  (the draft step: capture excluded)
+            results[f"{name} wall"]["draft_step_vs_specforge"] = step(peer) / step(ours)
 
     keys = list(dict.fromkeys(k for r in results.values() for k in r))
     print(f"\nthreads={args.threads} batch={args.batch} lengths={lo}:{hi} load (1/5/15 min) {load}")

@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dflash-gamma", type=float, default=7.0)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table of 2 steps per shape to this directory")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     out = {"shape": args.shape, "family": args.family, "teacher": args.teacher, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
@@ -79,6 +80,17 @@ def main(argv=None) -> int:
         out[f"{key}_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         for k in (f"{key}_tokens_per_s_median", f"{key}_tokens_per_s_mean", f"{key}_peak_gib"):
             print(f"{k}={out[k]}", flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(2):
+                    step()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            (Path(args.profile) / f"profile_peer_{key}.txt").write_text(table)
+            print("\n".join(table.splitlines()[:28]), flush=True)
         del step
         torch.cuda.empty_cache()
     print("RESULT " + json.dumps(out), flush=True)

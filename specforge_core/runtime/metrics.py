@@ -157,10 +157,11 @@ class MetricsLogger:
         self.captured_tokens += captured_tokens
         self.peak_staged_bytes = max(self.peak_staged_bytes, staged_bytes)
 
-    def add_step(self, *, grad_norm: float, lr: float) -> None:
-        """One optimizer step on this rank (grad_norm is already global, equal on all ranks)."""
+    def add_step(self, *, grad_norm, lr: float) -> None:
+        """One optimizer step on this rank (grad_norm is already global, equal on all ranks; a
+        float or a 0-dim tensor, summed where it lives and read at the flush)."""
         self.steps += 1
-        self.grad_norm_sum += grad_norm
+        self.grad_norm_sum = self.grad_norm_sum + grad_norm
         self.lr = lr
 
     def exclude_time(self, seconds: float) -> None:
@@ -199,7 +200,7 @@ class MetricsLogger:
         record.update(self.derive(reduced))
         record.update(
             lr=lr,
-            grad_norm=grad_norm_sum / max(steps, 1),
+            grad_norm=float(grad_norm_sum) / max(steps, 1),
             samples_per_s=samples * (world // self.sp_size) / window_s,
             step_time_s=window_s / max(steps, 1),
             capture_share=capture_s / window_s,

@@ -42,7 +42,7 @@ def _metrics_worker(rank, run_dir):
             records[sp] = logger.flush(step=2)
         sums = {"loss_sum": 9.0, "count": 1, "acc_0_num": 1, "acc_0_den": 1}
         loggers[1].add_micro_batch(sums, samples=4, wait_s=0, capture_s=0)
-        loggers[1].add_step(grad_norm=2.0, lr=5e-5)
+        loggers[1].add_step(grad_norm=torch.tensor(2.0), lr=5e-5)  # as DraftOptimizer.step returns it
         records["second"] = loggers[1].flush(step=3)
     close_distributed()
     return {"records": records, "seen": seen, "stdout": out.getvalue()}
@@ -90,10 +90,11 @@ def test_peaks_are_maxima_over_ranks_and_cpu_reports_rss(two_ranks):
     assert "peak_mem_allocated_bytes" not in record
 
 
-def test_each_flush_starts_a_new_window(two_ranks):
+def test_each_flush_starts_a_new_window_and_reads_a_device_grad_norm_as_a_float(two_ranks):
     second = two_ranks[1][0]["records"]["second"]
     assert second["loss"] == pytest.approx(9.0)
-    assert second["grad_norm"] == 2.0 and second["lr"] == 5e-5 and second["step"] == 3
+    assert second["grad_norm"] == 2.0 and type(second["grad_norm"]) is float
+    assert second["lr"] == 5e-5 and second["step"] == 3
 
 
 def test_only_rank_zero_publishes(two_ranks):

@@ -30,7 +30,7 @@ def _train(d, accumulation):
         chunks = {k: v.chunk(d.world_size * accumulation) for k, v in tiny_batch(s).items()}
         for m in range(accumulation):
             opt.backward(root({k: c[m * d.world_size + d.rank] for k, c in chunks.items()}))
-        norms.append(opt.step()["grad_norm"])
+        norms.append(float(opt.step()["grad_norm"]))
     weights = get_model_state_dict(draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"weights": weights, "norms": norms}
 

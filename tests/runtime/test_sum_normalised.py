@@ -54,7 +54,7 @@ def _worker(rank):
             loss, weight = root({k: c[m * 2 + d.rank] for k, c in chunks.items()})
             opt.backward(loss)
             local += float(weight)
-        norms.append(opt.step(sum_loss_grad_scale(d, local, 2))["grad_norm"])
+        norms.append(float(opt.step(sum_loss_grad_scale(d, local, 2))["grad_norm"]))
     weights = get_model_state_dict(draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     close_distributed()
     return weights, norms

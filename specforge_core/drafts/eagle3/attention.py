@@ -30,6 +30,7 @@ picks flex on CUDA and sdpa elsewhere.
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
+from specforge_core.drafts.eagle3.fused import fused
 from specforge_core.errors import ConfigError
 
 BACKENDS = ("auto", "sdpa", "flex")
@@ -74,15 +75,18 @@ class TTTAttention:
 
     ``attention_mask [B,T]`` (1 = real token) and ``seq_ids [B,T]`` (sample index of each
     position in a packed row; one value per unpacked row) fix the step-0 pattern. Step 0's rows
-    must be exactly the real tokens ``nonzero(attention_mask.flatten())``.
+    must be exactly the real tokens ``nonzero(attention_mask.flatten())``: give them as ``real_rows``
+    where the caller has them (the unroll's plan does), so the device need not report them.
     """
 
-    def __init__(self, attention_mask: torch.Tensor, seq_ids: torch.Tensor, backend: str = "auto"):
+    def __init__(self, attention_mask: torch.Tensor, seq_ids: torch.Tensor, backend: str = "auto", *,
+                 real_rows: torch.Tensor | None = None):
         self.backend = resolve_backend(backend, attention_mask.device)
         b, t = attention_mask.shape
         self.shape = (b, t)
         real = attention_mask.bool()
-        flat = torch.nonzero(real.flatten()).flatten()
+        flat = torch.nonzero(real.flatten()).flatten() if real_rows is None else real_rows
+        self.real_rows = flat
         self.slot0 = _slots(flat, b * t)
         if self.backend == "sdpa":
             # Samples are contiguous runs of the real tokens (same row, same seq id): their spans.
@@ -121,12 +125,7 @@ class TTTAttention:
         # Steps 1..k: the key/value each step made at the query's own position.
         b, t = self.shape
         here = [_slots(r, b * t)[q_rows] for r in key_rows[1:]]
-        same_keys = [k[:, :, i] for k, i in zip(keys[1:], here)]
-        same_values = [v[:, :, i] for v, i in zip(values[1:], here)]
-        g = nh // nkv
-        qg = q.view(1, nkv, g, -1, hd)
-        diag = _diagonal_scores(qg, same_keys, scale)  # [1,nkv,g,n,k]
-        out = _merge(out0, lse0, diag, same_values)
+        out = fused(_same_position_merge, q.device)(q, out0, lse0, keys[1:], values[1:], here, scale)
         return out.to(q.dtype).view(1, nh, -1, hd)
 
     def _step_zero_sdpa(self, q, key, value, rows, scale):
@@ -164,7 +163,7 @@ class TTTAttention:
                 where="draft.attention_backend",
                 fix="use attention_backend: sdpa for this draft",
             )
-        rows0 = torch.nonzero(self.slot0 >= 0).flatten()
+        rows0 = self.real_rows
         fn = _flex() if q.is_cuda else flex_attention
         out0, aux = fn(
             _to_grid(q, rows, b, t), _to_grid(key, rows0, b, t), _to_grid(value, rows0, b, t),
@@ -193,7 +192,7 @@ def _to_grid(x: torch.Tensor, rows: torch.Tensor, b: int, t: int) -> torch.Tenso
 def _from_grid(y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``[B, heads, T, hd]`` → ``[1, heads, n, hd]`` at ``rows``."""
     b, heads, t, hd = y.shape
-    return y.transpose(1, 2).reshape(b * t, heads, hd)[rows].transpose(0, 1)[None]
+    return y.transpose(1, 2).reshape(b * t, heads, hd).index_select(0, rows).transpose(0, 1)[None]
 
 
 def _merge(out0: torch.Tensor, lse0: torch.Tensor, diag: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
@@ -209,7 +208,14 @@ def _merge(out0: torch.Tensor, lse0: torch.Tensor, diag: torch.Tensor, values: l
     return out
 
 
-def _diagonal_scores(qg: torch.Tensor, keys: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """fp32 scores of each query against the same-position key of each later step ``[..., n, k]``."""
-    qf = qg.float()
-    return torch.stack([(qf * k[:, :, None].float()).sum(-1) for k in keys], dim=-1) * scale
+def _same_position_merge(q, out0, lse0, keys, values, at, scale: float) -> torch.Tensor:
+    """The step-0 output ``out0`` / ``lse0`` (fp32 ``[1,nkv,g,n,(hd)]``) merged with the keys and
+    values ``[1,nkv,n_j,hd]`` steps 1..k made at each query's own position (``at[j]``: the
+    queries' indices among step j's rows); ``q [1,nh,n,hd]``. Returns fp32 ``[1,nkv,g,n,hd]``."""
+    nkv, hd = keys[0].shape[1], q.shape[3]
+    qf = q.view(1, nkv, q.shape[1] // nkv, -1, hd).float()
+    same_keys = [k.index_select(2, i) for k, i in zip(keys, at)]
+    same_values = [v.index_select(2, i) for v, i in zip(values, at)]
+    # fp32 scores of each query against the same-position key of each later step [..., n, k]
+    diag = torch.stack([(qf * k[:, :, None].float()).sum(-1) for k in same_keys], dim=-1) * scale
+    return _merge(out0, lse0, diag, same_values)

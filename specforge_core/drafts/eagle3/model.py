@@ -95,8 +95,8 @@ class Eagle3DecoderLayer(nn.Module):
         ``queries``: index along T of the rows to compute outputs for (default all); keys and
         values are made for every row."""
         q, k, v = self.project_qkv(embeds, hidden, cos, sin)
-        if queries is not None:
-            q, hidden = q[:, :, queries], hidden[:, queries]
+        if queries is not None:  # index_select: its backward adds into place, no sort
+            q, hidden = q.index_select(2, queries), hidden.index_select(1, queries)
         return self.complete(hidden, attend(q, k, v))
 
 
@@ -174,6 +174,7 @@ class Eagle3DraftModel(nn.Module):
         hidden: torch.Tensor | None = None,
         aux_hidden: torch.Tensor | None = None,
         queries: torch.Tensor | None = None,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for every row: ``(new pre-norm hidden [B,T,H], logits [B,T,Vd])``.
 
@@ -183,6 +184,8 @@ class Eagle3DraftModel(nn.Module):
         ``aux_hidden`` (first step: ``project_hidden`` is applied) or the carried ``hidden``.
         ``queries`` (a long index along T) restricts the outputs to those rows: keys and values
         are still made for every row, ``q`` and the results have ``Tq = len(queries)`` rows.
+        ``logit_rows`` (a long index along the output rows) computes logits for those rows only
+        (``[B, len(logit_rows), Vd]``): the rows whose hidden is only carried to a later step.
         The training objective calls the draft only through this forward, so wrappers that hook
         ``forward`` (FSDP2) see every parameter use.
         """
@@ -191,7 +194,8 @@ class Eagle3DraftModel(nn.Module):
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(embeds, position_ids)
         hidden = self.midlayer(embeds, hidden, cos, sin, attend, queries)
-        return hidden, self.compute_logits(hidden)
+        scored = hidden if logit_rows is None else hidden.index_select(1, logit_rows)
+        return hidden, self.compute_logits(scored)
 
     def step(
         self,

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from specforge_core.errors import ModelError
-from specforge_core.drafts.eagle3.attention import TTTAttention
+from specforge_core.drafts.eagle3.attention import TTTAttention, _slots
+from specforge_core.drafts.eagle3.fused import fused
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
 from specforge_core.drafts.eagle3.teacher import compute_teacher
 
@@ -49,57 +50,47 @@ class StepTerms:
     in_draft: torch.Tensor
 
 
-def _ce_rows(logits, target, weight):
-    loss = -(target * torch.log_softmax(logits.float(), dim=-1)).sum(dim=-1)
-    return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
+def _soft_ce_and_overlap(logits, probs, label, weight, log_mass):
+    """Per row: ``weight``·soft CE against ``probs[label]`` and ``Σ_v min(q_draft, p_target)``
+    with ``p_target = probs[label]·exp(log_mass)``; fp32 from the logits' own dtype."""
+    target = probs[label]
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    loss = -(target * log_q).sum(dim=-1)
+    loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
+    overlap = torch.minimum(log_q.exp(), target * log_mass.exp()[..., None]).sum(dim=-1)
+    return loss, overlap
 
 
-def _ce_grad_from_probs(probs, target, weight, grad, dtype):
-    """d(weight·CE)/d(logits) given the draft's fp32 softmax ``probs``."""
+def _ce_grad_from_probs(q, target, weight, grad, dtype):
+    """d(weight·CE)/d(logits) given the draft's fp32 softmax ``q``."""
     coef = torch.where(weight > 0, grad * weight, torch.zeros_like(grad))[..., None]
-    return (coef * (probs * target.sum(dim=-1, keepdim=True) - target)).to(dtype)
+    return (coef * (q * target.sum(dim=-1, keepdim=True) - target)).to(dtype)
 
 
-def _ce_grad(logits, target, weight, grad):
-    return _ce_grad_from_probs(torch.softmax(logits.float(), dim=-1), target, weight, grad, logits.dtype)
-
-
-def _overlap(logits, target, log_mass):
-    """Σ_v min(q_draft, p_target) with p_target = renormalised target · exp(log_mass)."""
-    return torch.minimum(torch.softmax(logits.float(), dim=-1), target * log_mass.exp()[..., None]).sum(dim=-1)
-
-
-_FUSED: dict = {}
-
-
-def _fused(fn, device: torch.device):
-    """``fn`` compiled into a few fused kernels on CUDA (these [N, Vd] passes are memory bound);
-    plain eager elsewhere."""
-    if device.type != "cuda":
-        return fn
-    if fn not in _FUSED:
-        _FUSED[fn] = torch.compile(fn, dynamic=True)
-    return _FUSED[fn]
+def _ce_grad(logits, probs, label, weight, grad):
+    return _ce_grad_from_probs(torch.softmax(logits.float(), dim=-1), probs[label], weight, grad, logits.dtype)
 
 
 class _SoftTargetTerms(torch.autograd.Function):
     """Per row, in fp32: the soft CE ``-Σ_v target·log_softmax(logits)`` times ``weight`` (with a
-    gradient to ``logits``) and the overlap ``Σ_v min(q_draft, p_target)`` (none).
+    gradient to ``logits``) and the overlap ``Σ_v min(q_draft, p_target)`` (none), where
+    ``target = probs[label]`` (the teacher rows of this step's positions).
 
-    On CUDA: compiled kernels; saves the logits in their own dtype and recomputes the softmax in
-    backward (half the activation memory per step in bf16). Elsewhere (eager, memory bound): one
-    log-softmax serves the loss, the overlap and the backward, which gets the fp32 softmax saved.
+    On CUDA: compiled kernels that gather the teacher rows as they read them; saves the logits in
+    their own dtype and recomputes the softmax in backward (half the activation memory per step in
+    bf16, and no per-step copy of the teacher). Elsewhere (eager, memory bound): one log-softmax
+    serves the loss, the overlap and the backward, which gets the fp32 softmax saved.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, log_mass):
+    def forward(ctx, logits, probs, label, weight, log_mass):
         ctx.logits_dtype = logits.dtype
         ctx.saved_softmax = not logits.is_cuda
         if logits.is_cuda:
-            ctx.save_for_backward(logits, target, weight)
-            loss = _fused(_ce_rows, logits.device)(logits, target, weight)
-            overlap = _fused(_overlap, logits.device)(logits, target, log_mass)
+            ctx.save_for_backward(logits, probs, label, weight)
+            loss, overlap = fused(_soft_ce_and_overlap, logits.device)(logits, probs, label, weight, log_mass)
         else:
+            target = probs[label]
             log_q = torch.log_softmax(logits.float(), dim=-1)
             loss = -(target * log_q).sum(dim=-1)
             loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
@@ -111,18 +102,19 @@ class _SoftTargetTerms(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _):
-        saved, target, weight = ctx.saved_tensors
         if not ctx.saved_softmax:
-            return _fused(_ce_grad, saved.device)(saved, target, weight, grad), None, None, None
-        return _ce_grad_from_probs(saved, target, weight, grad, ctx.logits_dtype), None, None, None
+            logits, probs, label, weight = ctx.saved_tensors
+            return fused(_ce_grad, logits.device)(logits, probs, label, weight, grad), None, None, None, None
+        q, target, weight = ctx.saved_tensors
+        return _ce_grad_from_probs(q, target, weight, grad, ctx.logits_dtype), None, None, None, None
 
 
 def soft_target_terms(
-    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, log_mass: torch.Tensor
+    logits: torch.Tensor, probs: torch.Tensor, label: torch.Tensor, weight: torch.Tensor, log_mass: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise weighted soft cross-entropy (fp32, gradient to ``logits`` only) and the overlap
-    ``Σ_v min(softmax(logits), target·exp(log_mass))`` (no gradient)."""
-    return _SoftTargetTerms.apply(logits, target, weight, log_mass)
+    """Row-wise weighted soft cross-entropy against ``probs[label]`` (fp32, gradient to ``logits``
+    only) and the overlap ``Σ_v min(softmax(logits), probs[label]·exp(log_mass))`` (no gradient)."""
+    return _SoftTargetTerms.apply(logits, probs, label, weight, log_mass)
 
 
 def ttt_unroll(
@@ -134,26 +126,26 @@ def ttt_unroll(
     at step k or later (step 0 also makes keys and values on every real token: they are the keys
     of their sample's later positions), the teacher on the indices some step reads. Padding and
     unsupervised positions cost nothing beyond the step-0 keys; the terms equal those of the full
-    ``[B, T]`` unroll.
+    ``[B, T]`` unroll. Which rows each step computes is worked out on the host from one copy of the
+    batch's masks (:class:`UnrollPlan`), so the device never waits for the host inside the unroll.
     """
     ids, attn, lm, aux, last, pos, seq = _read_batch(batch, lm_head_weight)
     b, t = ids.shape
-    valid = _valid_masks(attn, lm, seq, ttt_length)
-    rows = _unroll_rows(valid)
-    teacher, teacher_slot = _needed_teacher(last, valid, lm_head_weight, draft.t2d, vocab_chunk)
+    plan = UnrollPlan.build(attn, lm, seq, ttt_length, device=ids.device)
+    teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
+                              vocab_chunk=vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
-    attention = TTTAttention(attn, seq, backend)
-    real = torch.nonzero(attn.flatten()).flatten()
+    attention = TTTAttention(attn, seq, backend, real_rows=plan.real)
     keys, values, key_rows, steps = [], [], [], []
 
-    hidden, slot = None, None  # slot[b·T + t]: the row of position t in the previous step
+    hidden = None
     for k in range(ttt_length):
-        idx = rows[k]
+        idx = plan.rows[k]
         if idx is None:  # no target at this step or later
             steps.append(_empty_terms(b, t, ids.device))
             continue
         # Step 0 makes keys on every real token; its outputs, like every later step's, are idx.
-        inputs = real if k == 0 else idx
+        inputs = plan.real if k == 0 else idx
 
         def attend(q, key, value, idx=idx, inputs=inputs):  # this step's keys join the earlier ones
             keys.append(key)
@@ -164,20 +156,16 @@ def ttt_unroll(
         step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[inputs][None]
         step_pos = (pos + k).flatten()[inputs][None]
         if k == 0:
-            queries = torch.searchsorted(real, idx)
-            hidden, logits = draft(step_ids, step_pos, attend, aux_hidden=aux.flatten(0, 1)[real][None], queries=queries)
+            hidden, logits = draft(step_ids, step_pos, attend, aux_hidden=aux.flatten(0, 1)[plan.real][None],
+                                   queries=plan.queries0, logit_rows=plan.here[0])
         else:
-            hidden, logits = draft(step_ids, step_pos, attend, hidden=hidden[:, slot[idx]])
-        slot = torch.full((b * t,), -1, dtype=torch.long, device=ids.device)
-        slot[idx] = torch.arange(idx.numel(), device=ids.device)
+            hidden, logits = draft(step_ids, step_pos, attend, hidden=hidden.index_select(1, plan.carry[k]),
+                                   logit_rows=plan.here[k])
 
-        here = torch.nonzero(valid[k].flatten()[idx]).flatten()  # rows of this step with a target
-        flat = idx[here]  # their positions t (flattened b·T + t)
-        label = teacher_slot[flat + k]  # teacher index t+k: the target distribution at t+k+1
-        logits = logits[0, here]
-        probs = teacher.probs[label]
+        flat, label = plan.flat[k], plan.label[k]  # positions t with a step-k target; teacher index t+k
+        logits = logits[0]
         pm = teacher.in_draft[label]
-        loss, overlap = soft_target_terms(logits, probs, pm.float(), teacher.log_mass[label])
+        loss, overlap = soft_target_terms(logits, teacher.probs, label, pm.float(), teacher.log_mass[label])
         with torch.no_grad():
             correct = target_ids[logits.argmax(dim=-1)] == teacher.argmax[label]
             accept = torch.where(pm, overlap, torch.zeros_like(overlap))
@@ -185,12 +173,80 @@ def ttt_unroll(
             StepTerms(
                 loss=_place(loss, flat, b, t),
                 correct=_place(correct.float(), flat, b, t),
-                valid=valid[k].float(),
+                valid=plan.valid[k].float(),
                 accept=_place(accept, flat, b, t),
                 in_draft=_place(pm.float(), flat, b, t),
             )
         )
     return steps
+
+
+@dataclass
+class UnrollPlan:
+    """Which rows each unrolled step computes and where its terms go, for one batch (all index
+    tensors on the batch's device, long, ascending where they are rows):
+
+    - ``valid`` ``[K, B, T]`` bool: position t has a step-k target (:func:`_valid_masks`);
+    - ``real``: the flattened real tokens (step 0's inputs: every one is a key);
+    - ``rows[k]``: the positions whose step-k output is computed (:func:`_unroll_rows`), or None;
+    - ``queries0``: ``rows[0]``'s indices among ``real``; ``carry[k]`` (k ≥ 1): ``rows[k]``'s
+      indices among ``rows[k-1]`` (where the carried hidden comes from);
+    - ``here[k]``: the indices among ``rows[k]`` with a step-k target, ``flat[k]`` their positions,
+      ``label[k]`` their teacher rows (index t+k, the distribution at t+k+1);
+    - ``teacher_index``: the flattened indices i some step reads (the teacher at position i+1).
+
+    Built on the host from one device-to-host copy of the three masks and sent back in one copy:
+    the sizes are data-dependent, and working them out on the device would make the host wait
+    for it at every step.
+    """
+
+    valid: torch.Tensor
+    real: torch.Tensor
+    rows: list
+    queries0: torch.Tensor
+    carry: list
+    here: list
+    flat: list
+    label: list
+    teacher_index: torch.Tensor
+
+    @classmethod
+    def build(cls, attn, lm, seq, ttt_length: int, *, device) -> "UnrollPlan":
+        b, t = attn.shape
+        host = torch.stack([attn.long(), lm.long(), seq.long()]).cpu()
+        h_attn, h_lm, h_seq = host[0].bool(), host[1].bool(), host[2]
+        valid = _valid_masks(h_attn, h_lm, h_seq, ttt_length)
+        rows = _unroll_rows(valid)
+        flat_valid = [v.flatten() for v in valid]
+        read = torch.zeros(b * t, dtype=torch.bool)
+        for k, v in enumerate(flat_valid):
+            read[torch.nonzero(v).flatten() + k] = True
+        teacher_index = torch.nonzero(read).flatten()
+        teacher_slot = _slots(teacher_index, b * t)
+        real = torch.nonzero(h_attn.flatten()).flatten()
+        queries0 = torch.searchsorted(real, rows[0])
+        carry, here, flat, label = [None] * ttt_length, [None] * ttt_length, [None] * ttt_length, [None] * ttt_length
+        for k in range(ttt_length):
+            if rows[k] is None:
+                continue
+            if k:
+                carry[k] = _slots(rows[k - 1], b * t)[rows[k]]
+            here[k] = torch.nonzero(flat_valid[k][rows[k]]).flatten()
+            flat[k] = rows[k][here[k]]
+            label[k] = teacher_slot[flat[k] + k]
+        # one host-to-device copy of every index, then views of it
+        parts = [real, queries0, teacher_index, *(x for group in (rows, carry, here, flat, label) for x in group if x is not None)]
+        sizes = [p.numel() for p in parts]
+        packed = torch.cat(parts)
+        if torch.device(device).type == "cuda":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+            valid_d = torch.stack(valid).pin_memory().to(device, non_blocking=True)
+        else:
+            valid_d = torch.stack(valid).to(device)
+        views = iter(packed.split(sizes))
+        real_d, queries0_d, teacher_index_d = next(views), next(views), next(views)
+        groups = [[None if x is None else next(views) for x in group] for group in (rows, carry, here, flat, label)]
+        return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], groups[3], groups[4], teacher_index_d)
 
 
 def _valid_masks(attn, lm, seq, ttt_length: int) -> list[torch.Tensor]:
@@ -224,23 +280,6 @@ def _unroll_rows(valid) -> list[torch.Tensor | None]:
             break
         rows[k] = None
     return rows
-
-
-def _needed_teacher(last, valid, lm_head_weight, t2d, vocab_chunk):
-    """The teacher at every index some step reads, and ``slot [B·T]``: its row per flattened index.
-
-    Teacher index i (flattened ``b·T + i``) is the target distribution at position i+1; step k
-    reads it at its targets t = i - k.
-    """
-    b, t = valid[0].shape
-    read = torch.zeros(b * t, dtype=torch.bool, device=last.device)
-    for k, v in enumerate(valid):
-        read[torch.nonzero(v.flatten()).flatten() + k] = True
-    index = torch.nonzero(read).flatten()
-    teacher = compute_teacher(last.flatten(0, 1)[index + 1], lm_head_weight, t2d, vocab_chunk=vocab_chunk)
-    slot = torch.full((b * t,), -1, dtype=torch.long, device=last.device)
-    slot[index] = torch.arange(index.numel(), device=last.device)
-    return teacher, slot
 
 
 def _place(values: torch.Tensor, flat: torch.Tensor, b: int, t: int) -> torch.Tensor:

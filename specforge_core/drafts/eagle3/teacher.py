@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specforge_core.drafts.eagle3.fused import fused
+
 CPU_VOCAB_CHUNK = 4096
 
 
@@ -37,6 +39,32 @@ class Teacher:
     def target_probs(self) -> torch.Tensor:
         """Un-renormalised target probabilities of the draft tokens ``exp(z_d - logsumexp_V z)``."""
         return self.probs * self.log_mass.exp().unsqueeze(-1)
+
+
+def _chunk_stats(logits: torch.Tensor, cols: torch.Tensor):
+    """Of one vocab chunk's logits ``[n, C]`` read in fp32: the draft columns ``cols``, the max
+    and its first index, and the logsumexp."""
+    z = logits.float()
+    top, arg = z.max(dim=-1)
+    lse = (z - top[:, None]).exp().sum(dim=-1).log() + top
+    return z[:, cols], top, arg, lse
+
+
+def _vocab_chunks(t2d: torch.Tensor, vocab: int, vocab_chunk: int):
+    """``(draft_ids, starts, bounds)``: the draft vocabulary's target ids (ascending = draft id
+    order), the vocab chunks' first ids, and per chunk the range of draft ids inside it. Kept on
+    the map tensor itself until it changes (its version), so a training step does not wait for
+    the device to list them."""
+    key = (t2d._version, vocab, vocab_chunk)
+    kept = getattr(t2d, "_teacher_chunks", None)
+    if kept is None or kept[0] != key:
+        draft_ids = torch.nonzero(t2d).flatten()
+        starts = list(range(0, vocab, vocab_chunk))
+        # Draft ids whose target id falls in each vocab chunk form one contiguous range.
+        bounds = torch.searchsorted(draft_ids, torch.tensor(starts + [vocab], device=draft_ids.device)).tolist()
+        kept = (key, (draft_ids, starts, bounds))
+        t2d._teacher_chunks = kept
+    return kept[1]
 
 
 @torch.no_grad()
@@ -58,10 +86,7 @@ def compute_teacher(
     hidden = last_hidden.reshape(-1, last_hidden.shape[-1]).to(lm_head_weight.dtype)
     n, vocab = hidden.shape[0], lm_head_weight.shape[0]
     t2d = t2d.to(device=lm_head_weight.device, dtype=torch.bool)
-    draft_ids = torch.nonzero(t2d).flatten()  # ascending target ids = draft id order
-    starts = list(range(0, vocab, vocab_chunk))
-    # Draft ids whose target id falls in each vocab chunk form one contiguous range.
-    bounds = torch.searchsorted(draft_ids, torch.tensor(starts + [vocab], device=draft_ids.device)).tolist()
+    draft_ids, starts, bounds = _vocab_chunks(t2d, vocab, vocab_chunk)
 
     device = hidden.device
     draft_logits = torch.empty(n, draft_ids.numel(), dtype=torch.float32, device=device)
@@ -73,13 +98,19 @@ def compute_teacher(
         run_max = torch.full_like(run_lse, float("-inf"))
         run_arg = torch.zeros(h.shape[0], dtype=torch.long, device=device)
         for c, v0 in enumerate(starts):
-            logits = (h @ lm_head_weight[v0 : v0 + vocab_chunk].T).float()
+            logits = h @ lm_head_weight[v0 : v0 + vocab_chunk].T
             lo, hi = bounds[c], bounds[c + 1]
-            if hi > lo:
-                draft_logits[t0 : t0 + h.shape[0], lo:hi] = logits[:, draft_ids[lo:hi] - v0]
-            # One pass for max and argmax (first index on ties); logsumexp from the max, in place.
-            chunk_max, chunk_arg = logits.max(dim=-1)
-            chunk_lse = logits.sub_(chunk_max[:, None]).exp_().sum(dim=-1).log_().add_(chunk_max)
+            if device.type == "cuda":  # one compiled pass over the chunk, in the head's dtype
+                picked, chunk_max, chunk_arg, chunk_lse = fused(_chunk_stats, device)(logits, draft_ids[lo:hi] - v0)
+                if hi > lo:
+                    draft_logits[t0 : t0 + h.shape[0], lo:hi] = picked
+            else:
+                logits = logits.float()
+                if hi > lo:
+                    draft_logits[t0 : t0 + h.shape[0], lo:hi] = logits[:, draft_ids[lo:hi] - v0]
+                # One pass for max and argmax (first index on ties); logsumexp from the max, in place.
+                chunk_max, chunk_arg = logits.max(dim=-1)
+                chunk_lse = logits.sub_(chunk_max[:, None]).exp_().sum(dim=-1).log_().add_(chunk_max)
             run_lse = torch.logaddexp(run_lse, chunk_lse)
             better = chunk_max > run_max  # strict: an earlier chunk wins ties, like a full argmax
             run_max = torch.where(better, chunk_max, run_max)

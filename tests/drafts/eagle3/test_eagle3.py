@@ -126,6 +126,26 @@ def test_forward_with_queries_returns_those_rows_of_the_full_forward():
     torch.testing.assert_close(some_z, full_z[:, rows])
 
 
+def test_forward_with_logit_rows_scores_only_those_rows_and_keeps_every_hidden():
+    draft = tiny_draft(seed=6)
+    ids, aux, pos = torch.randint(24, (1, 6)), torch.randn(1, 6, 72), torch.arange(6)[None]
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+
+    def attend(q, k, v):
+        groups = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=causal[None, None]
+        )
+
+    scored = torch.tensor([0, 3, 5])
+    with torch.no_grad():
+        full_h, full_z = draft(ids, pos, attend, aux_hidden=aux)
+        some_h, some_z = draft(ids, pos, attend, aux_hidden=aux, logit_rows=scored)
+    torch.testing.assert_close(some_h, full_h)
+    assert some_z.shape == (1, 3, full_z.shape[-1])
+    torch.testing.assert_close(some_z, full_z[:, scored])
+
+
 def test_step_default_mask_is_causal_over_new_rows_after_all_past_rows():
     draft = tiny_draft(seed=2)
     ids, hidden, pos = torch.randint(24, (1, 4)), torch.randn(1, 4, 24), torch.arange(4)[None]

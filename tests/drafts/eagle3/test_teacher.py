@@ -44,3 +44,14 @@ def test_logits_are_computed_in_the_head_dtype_then_read_in_fp32():
     in_fp32 = torch.softmax(h @ W.float().T, -1)
     torch.testing.assert_close(teacher.probs, in_head_dtype, atol=1e-6, rtol=1e-5)
     assert (teacher.probs - in_fp32).abs().max() > 1e-3  # the dtype is visible at this tolerance
+
+
+def test_a_map_changed_in_place_gives_the_new_maps_teacher():
+    """The vocab chunks are kept on the map tensor; an in-place change (set_vocab_map) is seen."""
+    g = torch.Generator().manual_seed(3)
+    h, W = torch.randn(5, 16, generator=g), torch.randn(40, 16, generator=g)
+    t2d = random_map(40, 12, 0)
+    compute_teacher(h, W, t2d, vocab_chunk=16)
+    t2d.copy_(random_map(40, 12, 1))
+    probs, _, _ = full_teacher(h, W, t2d)
+    torch.testing.assert_close(compute_teacher(h, W, t2d, vocab_chunk=16).probs.double(), probs, atol=1e-6, rtol=1e-5)
