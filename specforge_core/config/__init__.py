@@ -161,6 +161,10 @@ class DraftConfig(_Section):
     )
     vocab_map_path: str | None = Field(None, description="Use this d2t/t2d file instead of building one.")
     fc_norm: bool = Field(False, description="RMSNorm each captured chunk before fc (EAGLE3.1).")
+    lm_head_init: Literal["random", "target"] = Field(
+        "random", description="EAGLE3's lm_head at a fresh start: random (normal, as SpecForge) or target "
+        "(the target's lm_head rows of the draft vocabulary, then trained). Ignored by a warm start or a resume."
+    )
     attention_backend: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="auto = flex attention on CUDA, sdpa on CPU."
     )
@@ -451,6 +455,11 @@ class RunConfig(_Section):
             raise ValueError(
                 "model.capture_layer_ids picks EAGLE3's three layers; a DFlash draft reads "
                 "draft.dflash.target_layer_ids: move the ids there, or remove model.capture_layer_ids"
+            )
+        if self.draft.family == "dflash" and self.draft.lm_head_init != "random":
+            raise ValueError(
+                f"draft.lm_head_init={self.draft.lm_head_init}: a DFlash draft has no lm_head of its own (it "
+                "projects through the target's frozen one); remove draft.lm_head_init"
             )
         return self
 

@@ -139,7 +139,7 @@ def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config
     torch.manual_seed(cfg.training.seed)
     # A warm start keeps its exported dtype here; sharding makes the trainable weights fp32 masters.
     draft = family.warm_start(cfg.draft.init_from, draft_config) if cfg.draft.init_from else family.new_draft(draft_config)
-    family.attach_target(draft, backend, vocab)
+    family.attach_target(cfg, draft, backend, vocab, fresh=not cfg.draft.init_from)
     if cfg.training.compile and backend.device.type == "cuda":
         from specforge_core.runtime.compile import compile_pointwise
 

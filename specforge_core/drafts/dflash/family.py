@@ -114,7 +114,7 @@ class DFlashFamily:
     def warm_start(self, directory, config) -> DFlashDraftModel:
         return serving.warm_start_dflash(directory, config)
 
-    def attach_target(self, draft, backend, vocab) -> None:
+    def attach_target(self, cfg, draft, backend, vocab, *, fresh: bool) -> None:
         """Nothing to copy: the objective reads the target's frozen embedding and head directly."""
 
     def objective(self, cfg, backend):

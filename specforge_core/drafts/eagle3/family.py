@@ -5,7 +5,7 @@ reduced draft vocabulary (d2t/t2d), trained by the unrolled training-time-test o
 (``objective.py``) against the target's own next-token distribution; exported in the layout
 SGLang's and vLLM's EAGLE3 loaders read (``serving.py``) and in vLLM's native speculators
 layout (``speculators_format.py``); decoded by chained or tree draft steps (``decoding.py``). The run config's ``draft.*`` fields (``draft_vocab_size``, ``fc_norm``,
-``attention_backend``, ``config_path``, ``init_from``) and ``training.ttt_length`` /
+``attention_backend``, ``config_path``, ``init_from``, ``lm_head_init``) and ``training.ttt_length`` /
 ``training.ploss_decay`` are this family's.
 """
 
@@ -95,9 +95,11 @@ class Eagle3Family:
     def warm_start(self, directory, config) -> Eagle3DraftModel:
         return serving.warm_start_draft(directory, config)
 
-    def attach_target(self, draft, backend, vocab) -> None:
+    def attach_target(self, cfg, draft, backend, vocab, *, fresh: bool) -> None:
         draft.load_embedding(backend.embed_weight)
         draft.set_vocab_map(vocab.d2t, vocab.t2d)
+        if fresh and cfg.draft.lm_head_init == "target":
+            draft.load_lm_head_from_target(backend.lm_head_weight)
 
     def objective(self, cfg, backend):
         return partial(

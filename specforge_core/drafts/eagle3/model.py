@@ -293,6 +293,22 @@ class Eagle3DraftModel(nn.Module):
             self.embed_tokens.weight.copy_(weight)
         self.embed_tokens.weight.requires_grad_(False)
 
+    def load_lm_head_from_target(self, weight: torch.Tensor) -> None:
+        """Start ``lm_head`` from the target's output rows ``[V, Ht]`` of the draft vocabulary
+        (target id ``i + d2t[i]`` for draft id i): the draft then begins by scoring its tokens the
+        way the target does, and trains from there. Call after ``set_vocab_map``."""
+        if tuple(weight.shape) != (self.config.vocab_size, self.lm_head.in_features):
+            raise ModelError(
+                f"target lm_head shape {tuple(weight.shape)} != [vocab_size {self.config.vocab_size}, "
+                f"hidden {self.lm_head.in_features}]",
+                where="draft.lm_head_init=target",
+                fix="the draft's hidden size must equal the target's to start from its lm_head; "
+                "use draft.lm_head_init=random",
+            )
+        rows = self.d2t.cpu() + torch.arange(self.draft_vocab_size)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight.detach().cpu()[rows].to(self.lm_head.weight.dtype))
+
     def cast_params(self, dtype: torch.dtype) -> "Eagle3DraftModel":
         """Cast the parameters to ``dtype``. Unlike ``.to(dtype)`` this keeps the RoPE frequency
         buffers in fp32, as transformers computes them, so cos/sin do not lose precision."""

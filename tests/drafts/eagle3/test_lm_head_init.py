@@ -1,0 +1,52 @@
+"""``draft.lm_head_init``: a fresh EAGLE3 draft may start its lm_head from the target's rows."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specforge_core.capture.hf import HFCaptureBackend
+from specforge_core.capture.target_info import default_capture_layers
+from specforge_core.config import load_config
+from specforge_core.data.vocab import VocabMap
+from specforge_core.drafts import get_family
+from specforge_core.runtime.builder import build_draft
+
+
+def _backend(target_dir):
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    return HFCaptureBackend(model, default_capture_layers(model.config.num_hidden_layers))
+
+
+def _vocab(vocab_size: int, vd: int) -> VocabMap:
+    used = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))[:vd].sort().values
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return VocabMap(key="test", path=None, d2t=used - torch.arange(vd), t2d=t2d, coverage=None)
+
+
+@pytest.mark.parametrize("init", ["random", "target"])
+def test_a_fresh_draft_starts_its_lm_head_from_the_targets_draft_vocab_rows_only_when_asked(tiny_target_dir, init):
+    backend = _backend(tiny_target_dir)
+    vocab = _vocab(backend.vocab_size, 64)
+    cfg = load_config(None, [f"model.target={tiny_target_dir}", "draft.draft_vocab_size=64", f"draft.lm_head_init={init}"])
+    draft = build_draft(cfg, get_family("eagle3"), backend, vocab)
+    rows = backend.lm_head_weight[vocab.d2t + torch.arange(64)]
+    assert torch.equal(draft.lm_head.weight, rows) == (init == "target")
+    assert draft.lm_head.weight.requires_grad  # trained from there
+
+
+def test_lm_head_init_is_refused_for_a_dflash_draft_naming_the_field():
+    from specforge_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="draft.lm_head_init"):
+        load_config(None, ["draft.family=dflash", "draft.lm_head_init=target"])
+
+
+def test_a_target_head_of_another_width_is_refused_naming_the_setting(tiny_target_dir):
+    from specforge_core.drafts.eagle3.model import Eagle3DraftModel
+    from specforge_core.errors import ModelError
+    from tests.drafts.eagle3.fixtures import tiny_draft
+
+    draft: Eagle3DraftModel = tiny_draft(seed=0)
+    with pytest.raises(ModelError, match="lm_head_init"):
+        draft.load_lm_head_from_target(torch.zeros(draft.config.vocab_size, draft.lm_head.in_features + 1))
