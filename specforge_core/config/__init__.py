@@ -85,6 +85,12 @@ class DataConfig(_Section):
     )
     max_length: int = Field(2048, gt=1, description="Right-truncate tokenized rows to this many tokens.")
     train_only_last_turn: bool = Field(False, description="Supervise only the last assistant turn.")
+    supervise: Literal["assistant", "all"] = Field(
+        "assistant", description="Which training tokens carry the loss. assistant: the assistant turns "
+        "(what the target generates). all: every token, prompts included: the teacher's distribution is "
+        "the target at a prompt position as well, so each captured row gives more training positions for "
+        "the same capture (rows still need data.min_loss_tokens assistant tokens; eval prompts are unchanged)."
+    )
     min_loss_tokens: int = Field(1, ge=1, description="Drop rows with fewer supervised tokens.")
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="error: stop at the first bad row; skip: drop and count bad rows."
@@ -103,6 +109,13 @@ class DataConfig(_Section):
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _one_supervision(self) -> "DataConfig":
+        if self.supervise == "all" and self.train_only_last_turn:
+            raise ValueError("data.supervise=all supervises every token, so data.train_only_last_turn=true has "
+                             "no effect; set one of them")
+        return self
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -150,6 +150,8 @@ def prompt_cache_key(cfg, tokenizer) -> str:
     }
     if d.chat_template_kwargs:  # only when set: caches built before the option keep their keys
         ident["chat_template_kwargs"] = d.chat_template_kwargs
+    if d.supervise != "assistant":  # likewise
+        ident["supervise"] = d.supervise
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -354,10 +356,10 @@ class _Build:
             if kept < holdout:
                 reservoir.append((kept, row, tok))
             elif holdout and (j := rng.randrange(kept + 1)) < holdout:
-                train.add(reservoir[j][2])
+                self._train(train, reservoir[j][2])
                 reservoir[j] = (kept, row, tok)
             else:
-                train.add(tok)
+                self._train(train, tok)
             kept += 1
         if holdout and train.rows + len(train.pending) == 0:
             raise DataError(
@@ -377,6 +379,14 @@ class _Build:
                 fix="check that rows have assistant turns with at least data.min_loss_tokens tokens",
             )
         return self._meta(train, evals, time.time() - t0)
+
+    def _train(self, train: "_SplitWriter", tok: Tokenized) -> None:
+        """A training row as the loss sees it: ``data.supervise=all`` marks every token (the eval
+        split keeps the assistant mask, which its prompts are cut by)."""
+        if self.d.supervise == "all":
+            self.stats.supervised += len(tok.loss_mask) - int(tok.loss_mask.sum())
+            tok = Tokenized(tok.input_ids, np.ones_like(tok.loss_mask), tok.truncated)
+        train.add(tok)
 
     def _tokenized(self, files: list[str], max_rows: int | None):
         """Yield (row, tokenized) for every kept row of ``files``; count and handle the rest."""
@@ -439,7 +449,8 @@ class _Build:
             "sources": s.sources,
             "options": {k: getattr(self.d, k) for k in ("format", "max_length", "train_only_last_turn",
                                                          "min_loss_tokens", "on_bad_row", "max_rows",
-                                                         "eval_holdout", "chat_template_kwargs")},
+                                                         "eval_holdout", "chat_template_kwargs",
+                                                         "supervise")},
             "chat_template": self.tok.markers,
             "rows_in": s.rows_in,
             "rows_out": {"train": train.rows, "eval": evals.rows},

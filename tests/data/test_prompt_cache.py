@@ -8,6 +8,7 @@ import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
+from specforge_core.errors import ConfigError
 from specforge_core.data.prompt_cache import ensure_prompt_cache, prompt_cache_key
 from fixtures.tiny import CHATML_TEMPLATE, build_tokenizer
 
@@ -107,6 +108,7 @@ def test_a_freshly_rewritten_source_is_hashed_again(make_cfg, tmp_path, tiny_tok
 @pytest.mark.parametrize("override", [
     "data.max_length=64", "data.train_only_last_turn=true", "data.min_loss_tokens=3",
     "data.on_bad_row=skip", "data.max_rows=2", "data.eval_holdout=1", "data.format=conversations",
+    "data.supervise=all",
 ])
 def test_every_tokenization_option_changes_the_key(make_cfg, chat_file, tiny_tokenizer, override):
     assert prompt_cache_key(make_cfg([chat_file]), tiny_tokenizer) != prompt_cache_key(
@@ -150,6 +152,27 @@ def test_short_rows_are_dropped_and_counted(make_cfg, chat_file, tiny_tokenizer)
     cache = ensure_prompt_cache(make_cfg([chat_file], min_loss_tokens=12), tiny_tokenizer)
     assert all(sum(m) >= 12 for m in cache.train["loss_mask"])
     assert cache.meta["dropped"]["too_few_loss_tokens"] == 3 - cache.train.num_rows > 0
+
+
+def test_supervise_all_marks_every_training_token_and_keeps_the_eval_prompts(make_cfg, tmp_path, tiny_tokenizer):
+    recs = [{"conversations": [{"role": "user", "content": f"Question {i}, a longer one?"},
+                               {"role": "assistant", "content": f"Answer {i}."}]} for i in range(12)]
+    path = write_jsonl(tmp_path / "d.jsonl", recs)
+    base = ensure_prompt_cache(make_cfg([path], eval_holdout=3, cache_dir=str(tmp_path / "a")), tiny_tokenizer)
+    every = ensure_prompt_cache(make_cfg([path], eval_holdout=3, supervise="all", cache_dir=str(tmp_path / "b")),
+                                tiny_tokenizer)
+    assert every.train["input_ids"] == base.train["input_ids"]
+    assert all(0 < sum(m) < len(m) for m in base.train["loss_mask"])  # the prompt is not supervised by default
+    assert all(set(m) == {1} for m in every.train["loss_mask"])
+    assert every.eval["prompt_ids"] == base.eval["prompt_ids"] and every.eval["loss_mask"] == base.eval["loss_mask"]
+    assert every.meta["options"]["supervise"] == "all"
+    assert every.meta["tokens"]["supervised"] == (sum(map(len, every.train["loss_mask"]))  # meta counts both splits
+                                                  + sum(map(sum, every.eval["loss_mask"])))
+
+
+def test_supervise_all_refuses_train_only_last_turn(make_cfg, chat_file):
+    with pytest.raises(ConfigError, match="train_only_last_turn"):
+        make_cfg([chat_file], supervise="all", train_only_last_turn=True)
 
 
 def test_eval_holdout_is_deterministic_and_disjoint(make_cfg, tmp_path, tiny_tokenizer):
