@@ -117,7 +117,8 @@ def write_jsonl(path: Path, rows) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    # "\n" only: str.splitlines would also cut at U+2028/U+0085, which ShareGPT text holds
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ def written_ids(out: Path) -> set[str]:
     keep = data if data.endswith(b"\n") or not data else data[: data.rfind(b"\n") + 1]
     if keep != data:
         out.write_bytes(keep)
-    return {str(json.loads(line)["id"]) for line in keep.decode("utf-8").splitlines() if line.strip()}
+    # split on "\n" only: str.splitlines would also cut at U+2028/U+0085 inside an answer's text
+    return {str(json.loads(line)["id"]) for line in keep.decode("utf-8").split("\n") if line.strip()}
 
 
 def pending_prompts(cfg, files: list[str], done: set[str], vocab_size: int, limit: int | None):

@@ -17,6 +17,7 @@ from scripts.sharegpt_realcheck import (
     normalized,
     parse_args,
     read_jsonl,
+    write_jsonl,
     select_prompts,
 )
 from specforge_core.config import config_from_dict
@@ -147,6 +148,12 @@ def test_unknown_stages_splits_and_empty_counts_are_refused(flag, value, says, c
     with pytest.raises(SystemExit):
         parse_args(["--config", "c.yaml", flag, value])
     assert says in capsys.readouterr().err
+
+
+def test_jsonl_files_round_trip_text_holding_unicode_line_separators(tmp_path):
+    rows = [{"id": "x", "text": "ShareGPT\u2028holds\x85these"}, {"id": "y", "text": "plain"}]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    assert read_jsonl(tmp_path / "p.jsonl") == rows
 
 
 def test_the_data_files_are_named_by_what_they_hold(tmp_path):

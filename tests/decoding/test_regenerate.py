@@ -12,7 +12,7 @@ from specforge_core.decoding.speculative import decode
 from specforge_core.capture.target_info import default_capture_layers
 from specforge_core.decoding.verifier import DecodingTarget
 from specforge_core.data.formats import parse_record
-from specforge_core.decoding.answering import prompt_messages, regenerate
+from specforge_core.decoding.answering import prompt_messages, regenerate, written_ids
 from specforge_core.regenerate import main
 
 QUESTIONS = ["what is the capital of France", "tell me a story", "hi", "how do I write python code fast",
@@ -35,7 +35,7 @@ def cfg(tiny_target_dir, source):
 
 
 def _rows(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().split("\n") if line]
 
 
 def test_rows_are_prompt_turns_plus_the_targets_answer(cfg, tmp_path):
@@ -77,6 +77,13 @@ def test_a_torn_last_line_is_dropped_and_answered_again(cfg, tmp_path):
     out.write_text(out.read_text() + '{"id": "q5", "conversa')
     result = regenerate(cfg, out, batch_size=2, max_new_tokens=4)
     assert result["already_written"] == 2 and len(_rows(out)) == len(QUESTIONS)
+
+
+def test_written_ids_reads_answers_holding_unicode_line_separators(tmp_path):
+    out = tmp_path / "regen.jsonl"
+    rows = [{"id": "a", "conversations": [{"role": "user", "content": "one\u2028two\x85three"}]}, {"id": "b"}]
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert written_ids(out) == {"a", "b"}
 
 
 def test_sampling_with_a_seed_is_reproducible(cfg, tmp_path):
