@@ -90,7 +90,8 @@ class Eagle3Family:
     # ---- model and training ----------------------------------------------------------------------
 
     def new_draft(self, config) -> Eagle3DraftModel:
-        return Eagle3DraftModel(config)
+        # attach_target copies the target's embedding in: no random draw for it
+        return Eagle3DraftModel(config, init_embedding=False)
 
     def warm_start(self, directory, config) -> Eagle3DraftModel:
         return serving.warm_start_draft(directory, config)

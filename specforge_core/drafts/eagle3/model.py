@@ -109,14 +109,18 @@ class Eagle3DraftModel(nn.Module):
     called the map is the identity on the first Vd target ids.
     """
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, *, init_embedding: bool = True):
         super().__init__()
         _check_config(config)
         self.config = config
         hidden, vocab = config.hidden_size, config.vocab_size
         self.target_hidden_size = int(getattr(config, "target_hidden_size", None) or hidden)
         self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or vocab)
-        self.embed_tokens = nn.Embedding(vocab, hidden)
+        # init_embedding=False: the caller copies the target's embedding in next (load_embedding), so
+        # its [V, H] random draw is skipped (≈ 10 s of CPU for a 152k × 4096 vocabulary): zeros until then.
+        self._init_embedding = init_embedding
+        self.embed_tokens = (nn.Embedding(vocab, hidden) if init_embedding
+                             else nn.Embedding(vocab, hidden, _weight=torch.zeros(vocab, hidden)))
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(NUM_AUX_HIDDEN_STATES * self.target_hidden_size, hidden, bias=False)
         self.fc_norm = (
@@ -142,6 +146,8 @@ class Eagle3DraftModel(nn.Module):
         """Initialise like transformers' Llama: normal(0, initializer_range) linears, unit norms."""
         std = self.config.initializer_range
         for module in self.modules():
+            if module is self.embed_tokens and not self._init_embedding:
+                continue
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, LlamaRMSNorm):

@@ -50,3 +50,20 @@ def test_a_target_head_of_another_width_is_refused_naming_the_setting(tiny_targe
     draft: Eagle3DraftModel = tiny_draft(seed=0)
     with pytest.raises(ModelError, match="lm_head_init"):
         draft.load_lm_head_from_target(torch.zeros(draft.config.vocab_size, draft.lm_head.in_features + 1))
+
+
+def test_a_fresh_draft_skips_the_embedding_draw_and_takes_the_targets(tiny_target_dir):
+    """new_draft leaves the [V, H] embedding at zeros (no random draw: ≈ 10 s at a 152k vocabulary);
+    the builder copies the target's in; a draft built directly still draws it."""
+    from specforge_core.drafts.eagle3.model import Eagle3DraftModel
+
+    family = get_family("eagle3")
+    backend = _backend(tiny_target_dir)
+    cfg = load_config(None, [f"model.target={tiny_target_dir}", "draft.draft_vocab_size=64"])
+    config = family.draft_config(cfg, backend.target_config, backend.layer_ids)
+    fresh = family.new_draft(config)
+    assert not fresh.embed_tokens.weight.any() and fresh.fc.weight.std() > 0
+    assert Eagle3DraftModel(config).embed_tokens.weight.std() > 0
+    draft = build_draft(cfg, family, backend, _vocab(backend.vocab_size, 64))
+    assert torch.equal(draft.embed_tokens.weight, backend.embed_weight.float())
+    assert not draft.embed_tokens.weight.requires_grad
