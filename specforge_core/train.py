@@ -98,13 +98,15 @@ def run_lock(cfg, d):
 
 def train(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
     """Preflight, resolve, build and fit on this rank (collective: every rank calls it)."""
-    from specforge_core.runtime.builder import build_training, inputs_from_manifest, resolve_inputs
+    from specforge_core.run.directory import RunDir
     from specforge_core.run.topology import Topology
+    from specforge_core.runtime.builder import build_training, inputs_from_manifest, resolve_inputs
+    from specforge_core.runtime.compile import compile_cache
     from specforge_core.runtime.preflight import check_run_inputs
 
     Topology.launched(cfg, d.world_size)  # torchrun's world must be the config's
     checked = check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
-    with run_lock(cfg, d):
+    with run_lock(cfg, d), compile_cache(RunDir(cfg.output.dir).compile_cache):
         if manifest is not None:
             inputs = inputs_from_manifest(manifest, d, checked, cfg=cfg)
         else:

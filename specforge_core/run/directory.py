@@ -13,6 +13,8 @@ Layout (``output.dir``, or ``<output.dir>/<flow run>-<id>`` when the flow runs i
     train.log           every line torchrun printed (the flow's train task)
     train.tree          the launched process tree, for stopping it after a crash (tasks/process_group.py)
     checkpoints/        step-NNNNNNNN/ directories and ``latest`` (runtime/checkpoint.py)
+    compile-cache/      torch.compile's inductor/Triton caches on CUDA: a resumed run reuses them
+                        (runtime/compile.py; absent on CPU, where nothing is compiled)
     draft/              the exported draft (validate stage)
     draft-untrained/    an untrained draft of the same config, the "before" of a cold start
     validation.md       the evaluator's report when it is run by hand
@@ -70,6 +72,10 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
+
+    @property
+    def compile_cache(self) -> Path:
+        return self.root / "compile-cache"
 
     @property
     def draft(self) -> Path:

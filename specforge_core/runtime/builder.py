@@ -140,9 +140,10 @@ def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config
     # A warm start keeps its exported dtype here; sharding makes the trainable weights fp32 masters.
     draft = family.warm_start(cfg.draft.init_from, draft_config) if cfg.draft.init_from else family.new_draft(draft_config)
     family.attach_target(cfg, draft, backend, vocab, fresh=not cfg.draft.init_from)
-    if cfg.training.compile and backend.device.type == "cuda":
-        from specforge_core.runtime.compile import compile_pointwise
+    from specforge_core.runtime.compile import compile_pointwise, use_fused
 
+    use_fused(cfg.training.compile)
+    if cfg.training.compile and backend.device.type == "cuda":
         compile_pointwise(draft)
     return draft
 

@@ -24,7 +24,7 @@ ALLOWED = {
                 "runtime:specforge_core.runtime.compile"},
     "drafts": {"errors", "runtime:specforge_core.runtime.checkpoint"},
     "drafts/eagle3": {"errors", "io", "drafts", "capture:specforge_core.capture.target_info",
-                      "runtime:specforge_core.runtime.checkpoint"},
+                      "runtime:specforge_core.runtime.checkpoint", "runtime:specforge_core.runtime.compile"},
     "drafts/dflash": {"errors", "io", "drafts", "capture:specforge_core.capture.target_info",
                       "runtime:specforge_core.runtime.checkpoint"},
     "runtime": {"errors", "io", "config", "run", "data", "capture", "drafts"},

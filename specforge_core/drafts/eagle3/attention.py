@@ -30,8 +30,8 @@ picks flex on CUDA and sdpa elsewhere.
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-from specforge_core.drafts.eagle3.fused import fused
 from specforge_core.errors import ConfigError
+from specforge_core.runtime.compile import fused
 
 BACKENDS = ("auto", "sdpa", "flex")
 _compiled_flex = None

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specforge_core.errors import ModelError
 from specforge_core.drafts.eagle3.attention import TTTAttention, _slots
-from specforge_core.drafts.eagle3.fused import fused
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
 from specforge_core.drafts.eagle3.teacher import compute_teacher
+from specforge_core.errors import ModelError
+from specforge_core.runtime.compile import fused
 
 REQUIRED_FIELDS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "last_hidden")
 

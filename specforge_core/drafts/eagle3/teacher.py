@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specforge_core.drafts.eagle3.fused import fused
+from specforge_core.runtime.compile import fused
 
 CPU_VOCAB_CHUNK = 4096
 

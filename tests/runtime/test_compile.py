@@ -1,0 +1,57 @@
+"""runtime/compile.py: which passes torch.compile takes (training.compile) and where its caches go."""
+
+import os
+
+import pytest
+import torch
+
+from specforge_core.config import load_config
+from specforge_core.runtime import compile as comp
+
+
+def _double(x):
+    return 2 * x
+
+
+@pytest.fixture(autouse=True)
+def _restore_fusion():
+    yield
+    comp.use_fused(True)
+
+
+def test_fused_compiles_only_for_cuda_and_only_when_allowed():
+    comp.use_fused(False)
+    assert comp.fused(_double, torch.device("cuda")) is _double
+    comp.use_fused(True)
+    compiled = comp.fused(_double, torch.device("cuda"))  # wrapping compiles nothing yet: no GPU needed
+    assert compiled is not _double and comp.fused(_double, "cuda") is compiled
+    assert comp.fused(_double, torch.device("cpu")) is _double
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_draft_builder_sets_fusion_from_training_compile(tiny_target_dir, compile):
+    from tests.drafts.eagle3.test_lm_head_init import _backend, _vocab
+    from specforge_core.drafts import get_family
+    from specforge_core.runtime.builder import build_draft
+
+    comp.use_fused(not compile)
+    backend = _backend(tiny_target_dir)
+    cfg = load_config(None, [f"model.target={tiny_target_dir}", "draft.draft_vocab_size=64",
+                             f"training.compile={str(compile).lower()}"])
+    build_draft(cfg, get_family("eagle3"), backend, _vocab(backend.vocab_size, 64))
+    assert (comp.fused(_double, "cuda") is not _double) == compile
+
+
+def test_compile_cache_points_inductor_at_the_run_directory_for_the_block_only(tmp_path, monkeypatch):
+    monkeypatch.delenv(comp.CACHE_ENV, raising=False)
+    with comp.compile_cache(tmp_path / "run" / "compile-cache") as where:
+        assert os.environ[comp.CACHE_ENV] == str(where) == str((tmp_path / "run" / "compile-cache").resolve())
+    assert comp.CACHE_ENV not in os.environ
+    assert not (tmp_path / "run").exists()  # nothing compiled, nothing created
+
+
+def test_a_cache_directory_the_user_set_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv(comp.CACHE_ENV, str(tmp_path / "mine"))
+    with comp.compile_cache(tmp_path / "run" / "compile-cache") as where:
+        assert where == tmp_path / "mine" and os.environ[comp.CACHE_ENV] == str(tmp_path / "mine")
+    assert os.environ[comp.CACHE_ENV] == str(tmp_path / "mine")
