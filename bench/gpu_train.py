@@ -33,13 +33,16 @@ best packed capture and the peer's best draft step: a peer that compiled its cap
 step, ``1 / (1/plain + 1/peer)``.
 """
 
-import argparse
-import json
-import math
-import os
-import sys
 import time
-from pathlib import Path
+
+LAUNCH = time.perf_counter()  # before torch's import: the cold start counts it
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -48,7 +51,6 @@ import torch  # noqa: E402
 
 from bench import gpu_reference as ref  # noqa: E402
 
-LAUNCH = time.perf_counter()
 RESULTS: dict = {}
 
 
@@ -243,13 +245,19 @@ class TrainLoop:
         from specforge_core.runtime.distributed import init_distributed
         from specforge_core.runtime.trainer import build_step
 
+        t = [time.perf_counter()]
         d = init_distributed("cuda" if args.device.type == "cuda" else "cpu")
+        t.append(time.perf_counter())
         cfg = run_config(args, compile_pointwise=compile_pointwise)
         family = get_family(cfg.draft.family)
         draft = build_draft(cfg, family, backend, random_vocab(args, backend.vocab_size))
+        t.append(time.perf_counter())
         objective, _ = build_objective(cfg, family, backend)
         self.root, self.optimizer = build_step(cfg, d, draft, objective, total_steps=total_steps, accumulation_steps=1)
+        sync(args.device)
+        t.append(time.perf_counter())
         self.d, self.loss_is_sum = d, family.loss_is_sum
+        self.build_split = {"distributed": t[1] - t[0], "draft": t[2] - t[1], "step": t[3] - t[2]}
 
     def step(self, batch) -> None:
         from specforge_core.runtime.trainer import sum_loss_grad_scale
@@ -334,22 +342,53 @@ def profile_step(args, loop, batch, key: str) -> None:
     print("\n".join(line[:160] for line in table.splitlines()[:24]), flush=True)
 
 
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far (dynamo + inductor, forward and
+    backward graphs: every frame's ``_compile.compile_inner`` plus each lazily compiled backward)."""
+    from torch._dynamo.utils import compilation_time_metrics as m
+
+    return sum(sum(v) for k, v in m.items() if k == "_compile.compile_inner" or "bw_compiler" in k)
+
+
 def phase_train(args, backend, rows, variant: str) -> None:
-    """The end-to-end loop: plan → rollout stream (packed capture) → draft step, per optimizer step."""
+    """The end-to-end loop: plan → rollout stream (packed capture) → draft step, per optimizer step.
+
+    The first step is split for the cold start: draft build, first capture, first step, and the
+    compile seconds inside each (``train_first_*``); run ``--phases train`` alone in a fresh
+    process with an empty ``--compile-cache`` for a clean process's figure."""
+    cold = "seconds_to_first_optimizer_step" not in RESULTS
+    if variant == "compiled" and "capture_compiled_used" not in RESULTS and args.device.type == "cuda":
+        from specforge_core.runtime.compile import compile_pointwise  # what training.compile does to the target
+
+        report("train_target_compiled_modules", compile_pointwise(backend._decoder))
+    t0, c0 = time.perf_counter(), compile_seconds()
     loop = TrainLoop(args, backend, compile_pointwise=variant == "compiled")
     warmup = 3
     stream = make_stream(args, backend, rows, batch_size=args.batch_size, token_budget=args.token_budget,
                          steps=warmup + args.steps)
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    first: dict = {"build_loop": time.perf_counter() - t0, **{f"build_{k}": v for k, v in loop.build_split.items()}}
     for i in range(warmup):
+        t1, c1 = time.perf_counter(), compile_seconds()
         batch = next(stream)
+        sync(args.device)
+        t2, c2 = time.perf_counter(), compile_seconds()
         loop.step(batch)
         del batch
-        if i == 0 and "seconds_to_first_optimizer_step" not in RESULTS:
-            sync(args.device)
-            report("seconds_to_first_optimizer_step", time.perf_counter() - LAUNCH)
-    sync(args.device)
+        sync(args.device)
+        if i == 0:
+            first.update(capture=t2 - t1, capture_compile=c2 - c1, step=time.perf_counter() - t2,
+                         step_compile=compile_seconds() - c2, all_compile=compile_seconds() - c0)
+            if cold:
+                report("seconds_to_first_optimizer_step", time.perf_counter() - LAUNCH)
+    for name, value in first.items():
+        report(f"train_{variant}_first_{name}_seconds", value)
+    if args.out and cold:
+        from torch._dynamo.utils import compile_times
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"compile_times_{variant}.txt").write_text(compile_times(repr="str", aggregate=True))
     start_stats = stream.stats.as_dict()
     t0 = time.perf_counter()
     for batch in stream:
@@ -428,8 +467,13 @@ def parse_args(argv=None):
     p.add_argument("--dflash-block", type=int, default=16)
     p.add_argument("--dflash-mask", type=int, default=151669, help="DFlash mask token id (Qwen3's)")
     p.add_argument("--profile", action="store_true", help="draft phase: split and profile each timed shape (DIR/profile_*.txt)")
+    p.add_argument("--compile-cache", default=None,
+                   help="TORCHINDUCTOR_CACHE_DIR for this process (an empty one: a cold start; the product "
+                        "keeps <output.dir>/compile-cache)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.compile_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(args.compile_cache).resolve())
     args.device = torch.device(args.device)
     args.phases = args.phases.split(",")
     args.draft_variants = args.draft_variants.split(",")
