@@ -30,15 +30,15 @@ def test_fused_compiles_only_for_cuda_and_only_when_allowed():
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_the_draft_builder_sets_fusion_from_training_compile(tiny_target_dir, compile):
-    from tests.drafts.eagle3.test_lm_head_init import _backend, _vocab
     from specforge_core.drafts import get_family
     from specforge_core.runtime.builder import build_draft
+    from tests.drafts.eagle3.fixtures import hf_backend, random_vocab_map
 
     comp.use_fused(not compile)
-    backend = _backend(tiny_target_dir)
+    backend = hf_backend(tiny_target_dir)
     cfg = load_config(None, [f"model.target={tiny_target_dir}", "draft.draft_vocab_size=64",
                              f"training.compile={str(compile).lower()}"])
-    build_draft(cfg, get_family("eagle3"), backend, _vocab(backend.vocab_size, 64))
+    build_draft(cfg, get_family("eagle3"), backend, random_vocab_map(backend.vocab_size, 64))
     assert (comp.fused(_double, "cuda") is not _double) == compile
 
 

@@ -118,7 +118,6 @@ class Eagle3DraftModel(nn.Module):
         self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or vocab)
         # init_embedding=False: the caller copies the target's embedding in next (load_embedding), so
         # its [V, H] random draw is skipped (≈ 10 s of CPU for a 152k × 4096 vocabulary): zeros until then.
-        self._init_embedding = init_embedding
         self.embed_tokens = (nn.Embedding(vocab, hidden) if init_embedding
                              else nn.Embedding(vocab, hidden, _weight=torch.zeros(vocab, hidden)))
         self.embed_tokens.weight.requires_grad_(False)
@@ -140,13 +139,14 @@ class Eagle3DraftModel(nn.Module):
         self.register_buffer("t2d", t2d)
         # Set when the map came with a warm-start directory: a different map is then refused.
         self.vocab_map_origin: str | None = None
-        self.reset_parameters()
+        self.reset_parameters(embedding=init_embedding)
 
-    def reset_parameters(self) -> None:
-        """Initialise like transformers' Llama: normal(0, initializer_range) linears, unit norms."""
+    def reset_parameters(self, *, embedding: bool = True) -> None:
+        """Initialise like transformers' Llama: normal(0, initializer_range) linears, unit norms;
+        ``embedding=False`` leaves the embedding as it is."""
         std = self.config.initializer_range
         for module in self.modules():
-            if module is self.embed_tokens and not self._init_embedding:
+            if module is self.embed_tokens and not embedding:
                 continue
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)

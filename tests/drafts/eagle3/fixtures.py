@@ -1,4 +1,5 @@
-"""Tiny random drafts and captured batches for the objective and model tests (no target needed)."""
+"""Tiny random drafts and captured batches for the objective and model tests (no target needed),
+and the pieces a builder test needs around a tiny target directory."""
 
 import torch
 from transformers import LlamaConfig
@@ -59,3 +60,24 @@ def random_batch(seed, lengths, T, target_hidden, vocab=V) -> dict:
 
 def target_head(seed, target_hidden, vocab=V) -> torch.Tensor:
     return torch.randn(vocab, target_hidden, generator=torch.Generator().manual_seed(seed + 1000))
+
+
+def hf_backend(target_dir):
+    """The hf capture backend of a saved target directory, float32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    from specforge_core.capture.hf import HFCaptureBackend
+    from specforge_core.capture.target_info import default_capture_layers
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    return HFCaptureBackend(model, default_capture_layers(model.config.num_hidden_layers))
+
+
+def random_vocab_map(vocab_size: int, vd: int):
+    """A vocab map of ``vd`` target ids drawn at random (seed 0)."""
+    from specforge_core.data.vocab import VocabMap
+
+    used = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))[:vd].sort().values
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return VocabMap(key="test", path=None, d2t=used - torch.arange(vd), t2d=t2d, coverage=None)

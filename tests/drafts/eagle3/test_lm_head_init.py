@@ -2,32 +2,17 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from specforge_core.capture.hf import HFCaptureBackend
-from specforge_core.capture.target_info import default_capture_layers
 from specforge_core.config import load_config
-from specforge_core.data.vocab import VocabMap
 from specforge_core.drafts import get_family
 from specforge_core.runtime.builder import build_draft
-
-
-def _backend(target_dir):
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    return HFCaptureBackend(model, default_capture_layers(model.config.num_hidden_layers))
-
-
-def _vocab(vocab_size: int, vd: int) -> VocabMap:
-    used = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))[:vd].sort().values
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[used] = True
-    return VocabMap(key="test", path=None, d2t=used - torch.arange(vd), t2d=t2d, coverage=None)
+from tests.drafts.eagle3.fixtures import hf_backend, random_vocab_map
 
 
 @pytest.mark.parametrize("init", ["random", "target"])
 def test_a_fresh_draft_starts_its_lm_head_from_the_targets_draft_vocab_rows_only_when_asked(tiny_target_dir, init):
-    backend = _backend(tiny_target_dir)
-    vocab = _vocab(backend.vocab_size, 64)
+    backend = hf_backend(tiny_target_dir)
+    vocab = random_vocab_map(backend.vocab_size, 64)
     cfg = load_config(None, [f"model.target={tiny_target_dir}", "draft.draft_vocab_size=64", f"draft.lm_head_init={init}"])
     draft = build_draft(cfg, get_family("eagle3"), backend, vocab)
     rows = backend.lm_head_weight[vocab.d2t + torch.arange(64)]
@@ -58,12 +43,12 @@ def test_a_fresh_draft_skips_the_embedding_draw_and_takes_the_targets(tiny_targe
     from specforge_core.drafts.eagle3.model import Eagle3DraftModel
 
     family = get_family("eagle3")
-    backend = _backend(tiny_target_dir)
+    backend = hf_backend(tiny_target_dir)
     cfg = load_config(None, [f"model.target={tiny_target_dir}", "draft.draft_vocab_size=64"])
     config = family.draft_config(cfg, backend.target_config, backend.layer_ids)
     fresh = family.new_draft(config)
     assert not fresh.embed_tokens.weight.any() and fresh.fc.weight.std() > 0
     assert Eagle3DraftModel(config).embed_tokens.weight.std() > 0
-    draft = build_draft(cfg, family, backend, _vocab(backend.vocab_size, 64))
+    draft = build_draft(cfg, family, backend, random_vocab_map(backend.vocab_size, 64))
     assert torch.equal(draft.embed_tokens.weight, backend.embed_weight.float())
     assert not draft.embed_tokens.weight.requires_grad
