@@ -133,12 +133,19 @@ def resolve_inputs(cfg, d, checked, *, plan_path: str | None = None) -> RunInput
 
 def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config=None):
     """The draft of ``family`` for this target: warm-started from ``draft.init_from`` or freshly
-    initialised (every rank draws the same initial weights from ``training.seed``), given the
+    initialised on the target's device (every rank draws the same initial weights from
+    ``training.seed``; a GPU's draw differs from a CPU's), given the
     target's frozen embedding / vocab map, and compiled where ``training.compile`` says."""
     draft_config = draft_config or family.draft_config(cfg, target_config or backend.target_config, backend.layer_ids)
     torch.manual_seed(cfg.training.seed)
     # A warm start keeps its exported dtype here; sharding makes the trainable weights fp32 masters.
-    draft = family.warm_start(cfg.draft.init_from, draft_config) if cfg.draft.init_from else family.new_draft(draft_config)
+    if cfg.draft.init_from:
+        draft = family.warm_start(cfg.draft.init_from, draft_config)
+    else:
+        # Built on the target's device: on a GPU the initial draw runs there instead of on the CPU
+        # followed by a copy (≈ 4 s at a 152k × 4096 vocabulary); vocab map and embedding go in after.
+        with torch.device(backend.device):
+            draft = family.new_draft(draft_config)
     family.attach_target(cfg, draft, backend, vocab, fresh=not cfg.draft.init_from)
     from specforge_core.runtime.compile import compile_pointwise, use_fused
 

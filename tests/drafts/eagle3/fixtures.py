@@ -62,14 +62,14 @@ def target_head(seed, target_hidden, vocab=V) -> torch.Tensor:
     return torch.randn(vocab, target_hidden, generator=torch.Generator().manual_seed(seed + 1000))
 
 
-def hf_backend(target_dir):
-    """The hf capture backend of a saved target directory, float32 on the CPU."""
+def hf_backend(target_dir, device="cpu"):
+    """The hf capture backend of a saved target directory, float32 on ``device``."""
     from transformers import AutoModelForCausalLM
 
     from specforge_core.capture.hf import HFCaptureBackend
     from specforge_core.capture.target_info import default_capture_layers
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device)
     return HFCaptureBackend(model, default_capture_layers(model.config.num_hidden_layers))
 
 

@@ -52,3 +52,20 @@ def test_a_fresh_draft_skips_the_embedding_draw_and_takes_the_targets(tiny_targe
     draft = build_draft(cfg, family, backend, random_vocab_map(backend.vocab_size, 64))
     assert torch.equal(draft.embed_tokens.weight, backend.embed_weight.float())
     assert not draft.embed_tokens.weight.requires_grad
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_a_fresh_draft_is_built_on_the_targets_device_with_its_embedding_map_and_head(tiny_target_dir, device):
+    """The builder draws a fresh draft where the target lives (no CPU draw and copy on a GPU); the
+    target's embedding, the vocab map and the lm_head rows still go in."""
+    family = get_family("eagle3")
+    backend = hf_backend(tiny_target_dir, device)
+    vocab = random_vocab_map(backend.vocab_size, 64)
+    cfg = load_config(None, [f"model.target={tiny_target_dir}", "draft.draft_vocab_size=64", "draft.lm_head_init=target"])
+    draft = build_draft(cfg, family, backend, vocab)
+    assert {t.device.type for t in [*draft.parameters(), *draft.buffers()]} == {device}
+    assert torch.equal(draft.embed_tokens.weight, backend.embed_weight.float())
+    assert torch.equal(draft.d2t.cpu(), vocab.d2t) and torch.equal(draft.t2d.cpu(), vocab.t2d)
+    assert torch.equal(draft.lm_head.weight, backend.lm_head_weight[vocab.d2t.to(device) + torch.arange(64, device=device)])
+    assert draft.fc.weight.std() > 0  # drawn, not left empty
