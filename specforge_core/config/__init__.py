@@ -227,6 +227,11 @@ class TrainingConfig(_Section):
     max_grad_norm: float = Field(0.5, gt=0)
     ttt_length: int = Field(7, ge=1, le=16, description="Unrolled training-time-test steps K.")
     ploss_decay: float = Field(0.8, gt=0, le=1, description="Weight of step k is decay**k.")
+    feature_noise: float = Field(
+        0.0, ge=0, le=1, description="EAGLE3: while training, add uniform noise U(-a, a) × each captured "
+        "layer's per-token RMS to the draft's input features (EAGLE-1's augmentation against memorising "
+        "rows seen in earlier epochs). 0: off, as SpecForge."
+    )
     sp_size: int = Field(1, ge=1, description="Sequence parallelism (must be 1 for local_colocated).")
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Draft parameter dtype; bfloat16 keeps fp32 master weights."
@@ -470,6 +475,11 @@ class RunConfig(_Section):
             raise ValueError(
                 "model.capture_layer_ids picks EAGLE3's three layers; a DFlash draft reads "
                 "draft.dflash.target_layer_ids: move the ids there, or remove model.capture_layer_ids"
+            )
+        if self.draft.family == "dflash" and self.training.feature_noise:
+            raise ValueError(
+                f"training.feature_noise={self.training.feature_noise} perturbs EAGLE3's captured features; "
+                "the DFlash objective does not read it: remove training.feature_noise"
             )
         if self.draft.family == "dflash" and self.draft.lm_head_init != "random":
             raise ValueError(

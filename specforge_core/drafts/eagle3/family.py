@@ -78,8 +78,9 @@ class Eagle3Family:
         return tokens * (cfg.training.ttt_length * per_step + 4 * vd + h * c)
 
     def contract_fields(self, cfg) -> dict:
-        # training.ttt_length and training.ploss_decay are in the trainer's own optimisation fields
-        return {}
+        # training.ttt_length and training.ploss_decay are in the trainer's own optimisation fields;
+        # feature noise only when set, so checkpoints from before the option still resume
+        return {"feature_noise": cfg.training.feature_noise} if cfg.training.feature_noise else {}
 
     def serving_config(self, config) -> dict:
         return configs.serving_config_dict(config)
@@ -110,6 +111,7 @@ class Eagle3Family:
             decay=cfg.training.ploss_decay,
             backend=cfg.draft.attention_backend,
             vocab_chunk=cfg.capture.teacher_chunk_size,
+            feature_noise=cfg.training.feature_noise,
         )
 
     def summarize(self, cfg, sums: dict) -> dict:

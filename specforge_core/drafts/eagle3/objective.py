@@ -117,8 +117,20 @@ def soft_target_terms(
     return _SoftTargetTerms.apply(logits, probs, label, weight, log_mass)
 
 
+def noisy_features(aux: torch.Tensor, layers: int, scale: float) -> torch.Tensor:
+    """``aux`` ``[B, T, layers·H]`` plus uniform noise ``U(-scale, scale)`` times each layer's
+    per-token RMS (EAGLE-1's feature noise, made relative: a deep layer's states are far larger
+    than the first's). A new tensor from the global RNG (checkpointed per rank); padding, whose
+    features are zeros, stays zero."""
+    x = aux.float().unflatten(-1, (layers, -1))
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = (torch.rand(x.shape, device=x.device) * 2 - 1) * (scale * rms)
+    return (x + noise).flatten(-2).to(aux.dtype)
+
+
 def ttt_unroll(
-    draft, batch, lm_head_weight: torch.Tensor, *, ttt_length: int = 7, backend: str = "auto", vocab_chunk: int = 32768
+    draft, batch, lm_head_weight: torch.Tensor, *, ttt_length: int = 7, backend: str = "auto", vocab_chunk: int = 32768,
+    feature_noise: float = 0.0,
 ) -> list[StepTerms]:
     """Run the K-step unroll and return the per-position terms of every step (see module doc).
 
@@ -131,6 +143,8 @@ def ttt_unroll(
     """
     ids, attn, lm, aux, last, pos, seq = _read_batch(batch, lm_head_weight)
     b, t = ids.shape
+    if feature_noise:
+        aux = noisy_features(aux, aux.shape[-1] // last.shape[-1], feature_noise)
     plan = UnrollPlan.build(attn, lm, seq, ttt_length, device=ids.device)
     teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
                               vocab_chunk=vocab_chunk)
@@ -296,11 +310,14 @@ def eagle3_loss(
     decay: float = 0.8,
     backend: str = "auto",
     vocab_chunk: int = 32768,
+    feature_noise: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, sums)``: the scalar ``Σ_k decay^k L_k`` and the summable metric numerators and
-    denominators (``metrics.metric_sums``; reduce across ranks by summing)."""
+    denominators (``metrics.metric_sums``; reduce across ranks by summing). ``feature_noise`` > 0
+    trains on noisy features (:func:`noisy_features`); the teacher is never perturbed."""
     steps = ttt_unroll(
-        draft, batch, lm_head_weight, ttt_length=ttt_length, backend=backend, vocab_chunk=vocab_chunk
+        draft, batch, lm_head_weight, ttt_length=ttt_length, backend=backend, vocab_chunk=vocab_chunk,
+        feature_noise=feature_noise,
     )
     b, t = steps[0].loss.shape
     loss = sum(decay**k * s.loss.sum() for k, s in enumerate(steps)) / (b * t)
