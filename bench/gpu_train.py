@@ -306,6 +306,12 @@ def phase_draft(args, backend, variant: str) -> None:
     del loop
 
 
+def _device_ms(event, steps: int = 2) -> float:
+    """Device milliseconds per step of a profiler row (kernels launched inside it)."""
+    total = getattr(event, "device_time_total", None)
+    return (event.cuda_time_total if total is None else total) / 1e3 / steps
+
+
 def profile_step(args, loop, batch, key: str) -> None:
     """Where one step's time goes: forward / backward / optimizer medians by CUDA events, then a
     torch.profiler table of 2 steps (top kernels and ops by device time) in DIR/profile_<key>.txt."""
@@ -332,6 +338,16 @@ def profile_step(args, loop, batch, key: str) -> None:
             loop.step(batch)
         torch.cuda.synchronize()
     events = prof.key_averages()
+    # the forward's named stages (record_function ranges in drafts/eagle3) and the backward by
+    # autograd node: device time of the kernels each one launched, per step
+    for e in events:
+        if e.key.startswith("eagle3."):
+            report(f"{key}_fwd_{e.key.removeprefix('eagle3.')}_ms", _device_ms(e))
+    backward = sorted((e for e in events if e.key.startswith("autograd::engine::evaluate_function: ")),
+                      key=lambda e: -_device_ms(e))
+    for e in backward[:12]:
+        name = e.key.removeprefix("autograd::engine::evaluate_function: ")
+        report(f"{key}_bwd_{name}_ms", _device_ms(e))
     table = events.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
     cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90)
     shapes = prof.key_averages(group_by_input_shape=True).table(

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -196,12 +197,15 @@ class Eagle3DraftModel(nn.Module):
         ``forward`` (FSDP2) see every parameter use.
         """
         if aux_hidden is not None:
-            hidden = self.project_hidden(aux_hidden)
+            with record_function("eagle3.fc"):
+                hidden = self.project_hidden(aux_hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(embeds, position_ids)
-        hidden = self.midlayer(embeds, hidden, cos, sin, attend, queries)
+        with record_function("eagle3.layer"):
+            hidden = self.midlayer(embeds, hidden, cos, sin, attend, queries)
         scored = hidden if logit_rows is None else hidden.index_select(1, logit_rows)
-        return hidden, self.compute_logits(scored)
+        with record_function("eagle3.lm_head"):
+            return hidden, self.compute_logits(scored)
 
     def step(
         self,

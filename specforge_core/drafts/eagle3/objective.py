@@ -23,10 +23,12 @@
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
-from specforge_core.drafts.eagle3.attention import TTTAttention, _slots
+from specforge_core.drafts.eagle3.attention import TTTAttention
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
 from specforge_core.drafts.eagle3.teacher import compute_teacher
 from specforge_core.errors import ModelError
@@ -145,9 +147,12 @@ def ttt_unroll(
     b, t = ids.shape
     if feature_noise:
         aux = noisy_features(aux, aux.shape[-1] // last.shape[-1], feature_noise)
-    plan = UnrollPlan.build(attn, lm, seq, ttt_length, device=ids.device)
-    teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
-                              vocab_chunk=vocab_chunk)
+    # record_function ranges name the stages in a torch.profiler trace (bench/gpu_train.py --profile)
+    with record_function("eagle3.plan"):
+        plan = UnrollPlan.build(attn, lm, seq, ttt_length, device=ids.device)
+    with record_function("eagle3.teacher"):
+        teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
+                                  vocab_chunk=vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
     attention = TTTAttention(attn, seq, backend, real_rows=plan.real)
     keys, values, key_rows, steps = [], [], [], []
@@ -165,7 +170,8 @@ def ttt_unroll(
             keys.append(key)
             values.append(value)
             key_rows.append(inputs)
-            return attention(q, idx, keys, values, key_rows)
+            with record_function("eagle3.attention"):  # flex over the step's keys + the same-position merge
+                return attention(q, idx, keys, values, key_rows)
 
         step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[inputs][None]
         step_pos = (pos + k).flatten()[inputs][None]
@@ -178,20 +184,21 @@ def ttt_unroll(
 
         flat, label = plan.flat[k], plan.label[k]  # positions t with a step-k target; teacher index t+k
         logits = logits[0]
-        pm = teacher.in_draft[label]
-        loss, overlap = soft_target_terms(logits, teacher.probs, label, pm.float(), teacher.log_mass[label])
-        with torch.no_grad():
-            correct = target_ids[logits.argmax(dim=-1)] == teacher.argmax[label]
-            accept = torch.where(pm, overlap, torch.zeros_like(overlap))
-        steps.append(
-            StepTerms(
-                loss=_place(loss, flat, b, t),
-                correct=_place(correct.float(), flat, b, t),
-                valid=plan.valid[k].float(),
-                accept=_place(accept, flat, b, t),
-                in_draft=_place(pm.float(), flat, b, t),
+        with record_function("eagle3.loss_terms"):
+            pm = teacher.in_draft[label]
+            loss, overlap = soft_target_terms(logits, teacher.probs, label, pm.float(), teacher.log_mass[label])
+            with torch.no_grad():
+                correct = target_ids[logits.argmax(dim=-1)] == teacher.argmax[label]
+                accept = torch.where(pm, overlap, torch.zeros_like(overlap))
+            steps.append(
+                StepTerms(
+                    loss=_place(loss, flat, b, t),
+                    correct=_place(correct.float(), flat, b, t),
+                    valid=plan.valid[k].float(),
+                    accept=_place(accept, flat, b, t),
+                    in_draft=_place(pm.float(), flat, b, t),
+                )
             )
-        )
     return steps
 
 
@@ -227,70 +234,79 @@ class UnrollPlan:
     @classmethod
     def build(cls, attn, lm, seq, ttt_length: int, *, device) -> "UnrollPlan":
         b, t = attn.shape
-        host = torch.stack([attn.long(), lm.long(), seq.long()]).cpu()
-        h_attn, h_lm, h_seq = host[0].bool(), host[1].bool(), host[2]
-        valid = _valid_masks(h_attn, h_lm, h_seq, ttt_length)
+        host = torch.stack([attn.long(), lm.long(), seq.long()]).cpu().numpy()
+        # numpy: a few hundred index operations on arrays of B·T elements; as torch CPU ops their
+        # dispatch alone cost 12-70 ms of host time per step, all of it with the device idle
+        valid = _valid_masks(host[0] != 0, host[1] != 0, host[2], ttt_length)
         rows = _unroll_rows(valid)
-        flat_valid = [v.flatten() for v in valid]
-        read = torch.zeros(b * t, dtype=torch.bool)
+        flat_valid = [v.reshape(-1) for v in valid]
+        read = np.zeros(b * t, dtype=bool)
         for k, v in enumerate(flat_valid):
-            read[torch.nonzero(v).flatten() + k] = True
-        teacher_index = torch.nonzero(read).flatten()
-        teacher_slot = _slots(teacher_index, b * t)
-        real = torch.nonzero(h_attn.flatten()).flatten()
-        queries0 = torch.searchsorted(real, rows[0])
+            read[np.flatnonzero(v) + k] = True
+        teacher_index = np.flatnonzero(read)
+        teacher_slot = _host_slots(teacher_index, b * t)
+        real = np.flatnonzero(host[0])
+        queries0 = np.searchsorted(real, rows[0])
         carry, here, flat, label = [None] * ttt_length, [None] * ttt_length, [None] * ttt_length, [None] * ttt_length
         for k in range(ttt_length):
             if rows[k] is None:
                 continue
             if k:
-                carry[k] = _slots(rows[k - 1], b * t)[rows[k]]
-            here[k] = torch.nonzero(flat_valid[k][rows[k]]).flatten()
+                carry[k] = _host_slots(rows[k - 1], b * t)[rows[k]]
+            here[k] = np.flatnonzero(flat_valid[k][rows[k]])
             flat[k] = rows[k][here[k]]
             label[k] = teacher_slot[flat[k] + k]
         # one host-to-device copy of every index, then views of it
         parts = [real, queries0, teacher_index, *(x for group in (rows, carry, here, flat, label) for x in group if x is not None)]
-        sizes = [p.numel() for p in parts]
-        packed = torch.cat(parts)
+        sizes = [p.size for p in parts]
+        packed = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+        valid_h = torch.from_numpy(np.stack(valid))
         if torch.device(device).type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
-            valid_d = torch.stack(valid).pin_memory().to(device, non_blocking=True)
+            valid_d = valid_h.pin_memory().to(device, non_blocking=True)
         else:
-            valid_d = torch.stack(valid).to(device)
+            valid_d = valid_h.to(device)
         views = iter(packed.split(sizes))
         real_d, queries0_d, teacher_index_d = next(views), next(views), next(views)
         groups = [[None if x is None else next(views) for x in group] for group in (rows, carry, here, flat, label)]
         return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], groups[3], groups[4], teacher_index_d)
 
 
-def _valid_masks(attn, lm, seq, ttt_length: int) -> list[torch.Tensor]:
-    """``valid[k] [B,T]``: position t has a step-k target (module doc): ``lm[t+k]``, tokens t and
-    t+k+1 real and in the same sample."""
+def _host_slots(rows: np.ndarray, size: int) -> np.ndarray:
+    """``[size]``: the index of each flattened position among ``rows`` (-1 if absent)."""
+    slot = np.full(size, -1, dtype=np.int64)
+    slot[rows] = np.arange(rows.size)
+    return slot
+
+
+def _valid_masks(attn: np.ndarray, lm: np.ndarray, seq: np.ndarray, ttt_length: int) -> list[np.ndarray]:
+    """``valid[k] [B,T]`` (host, bool): position t has a step-k target (module doc): ``lm[t+k]``,
+    tokens t and t+k+1 real and in the same sample."""
     b, t = attn.shape
     out = []
     for k in range(ttt_length):
         n = max(t - 1 - k, 0)
-        here, label, ahead = slice(0, n), slice(k, k + n), slice(k + 1, k + 1 + n)
-        v = lm[:, label] & attn[:, here] & attn[:, ahead] & (seq[:, here] == seq[:, ahead])
-        out.append(F.pad(v, (0, t - n)))
+        v = np.zeros((b, t), dtype=bool)
+        v[:, :n] = lm[:, k : k + n] & attn[:, :n] & attn[:, k + 1 : k + 1 + n] & (seq[:, :n] == seq[:, k + 1 : k + 1 + n])
+        out.append(v)
     return out
 
 
-def _unroll_rows(valid) -> list[torch.Tensor | None]:
+def _unroll_rows(valid: list[np.ndarray]) -> list[np.ndarray | None]:
     """Flattened positions whose step-k output is computed, ascending; None where nothing is left.
 
     Step k needs position t iff some step j ≥ k has a target there (its hidden is carried along
     the same position), so each step's rows are a subset of the previous step's. (Step 0 also
     makes keys on every real token: they are the keys of their sample's later positions.)
     """
-    needed = torch.zeros_like(valid[0])
-    rows: list[torch.Tensor | None] = [None] * len(valid)
+    needed = np.zeros_like(valid[0])
+    rows: list[np.ndarray | None] = [None] * len(valid)
     for k in range(len(valid) - 1, -1, -1):
         needed = needed | valid[k]
-        rows[k] = torch.nonzero(needed.flatten()).flatten()
+        rows[k] = np.flatnonzero(needed)
     # Trailing steps without targets are skipped; step 0 always runs (the loss keeps its graph).
     for k in range(len(valid) - 1, 0, -1):
-        if rows[k].numel():
+        if rows[k].size:
             break
         rows[k] = None
     return rows

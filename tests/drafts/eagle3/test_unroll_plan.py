@@ -1,0 +1,47 @@
+"""``UnrollPlan``: every index of the unroll, worked out on the host, equals its definition
+(module doc of drafts/eagle3/objective.py) on packed, padded rows."""
+
+import torch
+
+from specforge_core.drafts.eagle3.objective import UnrollPlan
+
+
+def _packed_masks(seed=0, b=3, t=17):
+    g = torch.Generator().manual_seed(seed)
+    attn = torch.zeros(b, t, dtype=torch.long)
+    seq = torch.full((b, t), -1, dtype=torch.long)
+    for r, (n, cut) in enumerate([(17, 9), (12, 5), (15, 15)]):
+        attn[r, :n] = 1
+        seq[r, :cut], seq[r, cut:n] = 2 * r, 2 * r + 1
+    lm = (torch.rand(b, t, generator=g) < 0.7).long() * attn
+    return attn, lm, seq
+
+
+def test_the_plan_of_a_packed_padded_batch_equals_the_definitions():
+    attn, lm, seq = _packed_masks()
+    b, t, K = *attn.shape, 5
+    plan = UnrollPlan.build(attn, lm, seq, K, device="cpu")
+    a, m, s = attn.bool().flatten().tolist(), lm.bool().flatten().tolist(), seq.flatten().tolist()
+
+    def valid(k, p):
+        i = p % t
+        return i + k + 1 < t and m[p + k] and a[p] and a[p + k + 1] and s[p] == s[p + k + 1]
+
+    for k in range(K):
+        assert plan.valid[k].flatten().tolist() == [valid(k, p) for p in range(b * t)]
+    assert plan.real.tolist() == [p for p in range(b * t) if a[p]]
+    teacher = plan.teacher_index.tolist()
+    assert teacher == sorted({p + k for k in range(K) for p in range(b * t) if valid(k, p)})
+    previous = plan.real
+    for k in range(K):
+        want = [p for p in range(b * t) if any(valid(j, p) for j in range(k, K))]
+        if not want and k:
+            assert plan.rows[k] is None
+            continue
+        rows = plan.rows[k]
+        assert rows.tolist() == want
+        chosen = plan.queries0 if k == 0 else plan.carry[k]
+        assert previous[chosen].tolist() == want  # step 0's queries among the real tokens, later: the carried rows
+        assert rows[plan.here[k]].tolist() == plan.flat[k].tolist() == [p for p in want if valid(k, p)]
+        assert [teacher[i] for i in plan.label[k].tolist()] == [p + k for p in plan.flat[k].tolist()]
+        previous = rows
