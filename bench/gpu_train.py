@@ -339,10 +339,12 @@ def profile_step(args, loop, batch, key: str) -> None:
         torch.cuda.synchronize()
     events = prof.key_averages()
     # the forward's named stages (record_function ranges in drafts/eagle3) and the backward by
-    # autograd node: device time of the kernels each one launched, per step
+    # autograd node: device time of the kernels each one launched, per step. A range has two rows:
+    # the host's (its kernels' sum) and the device timeline's annotation (first to last kernel: _span)
     for e in events:
         if e.key.startswith("eagle3."):
-            report(f"{key}_fwd_{e.key.removeprefix('eagle3.')}_ms", _device_ms(e))
+            span = "" if e.device_type == torch.autograd.DeviceType.CPU else "_span"
+            report(f"{key}_fwd_{e.key.removeprefix('eagle3.')}{span}_ms", _device_ms(e))
     backward = sorted((e for e in events if e.key.startswith("autograd::engine::evaluate_function: ")),
                       key=lambda e: -_device_ms(e))
     for e in backward[:12]:

@@ -16,7 +16,7 @@ calls :func:`use_fused`; flex attention is compiled always, it has no fast eager
   element-wise operations each that read their inputs once and gather as they read.
 
 Without ``training.compile`` a run compiles nothing but flex attention and reaches its first step
-in about 30 s at Qwen3-8B shape; with it the run trains ≈ 28 % more tokens/s after a compile of
+in about 24 s at Qwen3-8B shape; with it the run trains ≈ 28 % more tokens/s after a compile of
 3–4 minutes, cached in the run directory. Figures: docs/performance.md, "GPU".
 """
 
