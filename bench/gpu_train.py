@@ -38,9 +38,11 @@ import time
 LAUNCH = time.perf_counter()  # before torch's import: the cold start counts it
 
 import argparse  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -314,7 +316,8 @@ def _device_ms(event, steps: int = 2) -> float:
 
 def profile_step(args, loop, batch, key: str) -> None:
     """Where one step's time goes: forward / backward / optimizer medians by CUDA events, then a
-    torch.profiler table of 2 steps (top kernels and ops by device time) in DIR/profile_<key>.txt."""
+    torch.profiler table of 2 steps (top kernels and ops by device time) in DIR/profile_<key>.txt and
+    their timeline in DIR/trace_<key>.json.gz."""
     from torch.profiler import ProfilerActivity, profile
 
     parts = {"forward": [], "backward": [], "optimizer": []}
@@ -354,9 +357,20 @@ def profile_step(args, loop, batch, key: str) -> None:
     cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90)
     shapes = prof.key_averages(group_by_input_shape=True).table(
         sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=110)
+    # host milliseconds per step inside each named stage (launching, dispatch, Python): where the
+    # device waits on the host, a stage's host time exceeds its kernels' time
+    for e in events:
+        if e.key.startswith("eagle3.") and e.device_type == torch.autograd.DeviceType.CPU:
+            report(f"{key}_fwd_{e.key.removeprefix('eagle3.')}_host_ms", e.cpu_time_total / 1e3 / 2)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / f"profile_{key}.txt").write_text(table + "\n\n" + cpu_table + "\n\n" + shapes)
+        # the two steps' timeline (open in https://ui.perfetto.dev): device gaps and what the host did then
+        trace = Path(args.out) / f"trace_{key}.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
     print("\n".join(line[:160] for line in table.splitlines()[:24]), flush=True)
 
 

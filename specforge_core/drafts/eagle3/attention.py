@@ -88,6 +88,7 @@ class TTTAttention:
         flat = torch.nonzero(real.flatten()).flatten() if real_rows is None else real_rows
         self.real_rows = flat
         self.slot0 = _slots(flat, b * t)
+        self._grid0 = None  # (step-0 keys, values, their grids): built at the first flex call
         if self.backend == "sdpa":
             # Samples are contiguous runs of the real tokens (same row, same seq id): their spans.
             row, sample = flat // t, seq_ids.flatten()[flat]
@@ -109,10 +110,13 @@ class TTTAttention:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         key_rows: list[torch.Tensor],
+        same_at: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``q [1,nh,n,hd]``: the current step's queries on ``q_rows``; ``keys``/``values``: steps
         0..k, ``[1,nkv,n_j,hd]`` on ``key_rows[j]`` (step 0's: the real tokens; step j's must hold
-        ``q_rows``). Returns the output ``[1,nh,n,hd]`` in ``q``'s dtype."""
+        ``q_rows``). ``same_at`` (optional, steps 1..k): the queries' indices among
+        ``key_rows[j]``, where the caller has them (the unroll's plan does); worked out here
+        otherwise. Returns the output ``[1,nh,n,hd]`` in ``q``'s dtype."""
         nh, hd = q.shape[1], q.shape[3]
         nkv = keys[0].shape[1]
         scale = hd**-0.5
@@ -124,7 +128,7 @@ class TTTAttention:
             return out0.to(q.dtype).view(1, nh, -1, hd)
         # Steps 1..k: the key/value each step made at the query's own position.
         b, t = self.shape
-        here = [_slots(r, b * t)[q_rows] for r in key_rows[1:]]
+        here = same_at if same_at is not None else [_slots(r, b * t)[q_rows] for r in key_rows[1:]]
         out = fused(_same_position_merge, q.device)(q, out0, lse0, keys[1:], values[1:], here, scale)
         return out.to(q.dtype).view(1, nh, -1, hd)
 
@@ -163,10 +167,13 @@ class TTTAttention:
                 where="draft.attention_backend",
                 fix="use attention_backend: sdpa for this draft",
             )
-        rows0 = self.real_rows
+        # every step attends to the same step-0 keys: laid out on the grid once per batch (one
+        # scatter, and one gather in backward, instead of one per step)
+        if self._grid0 is None or self._grid0[0] is not key or self._grid0[1] is not value:
+            self._grid0 = (key, value, _to_grid(key, self.real_rows, b, t), _to_grid(value, self.real_rows, b, t))
         fn = _flex() if q.is_cuda else flex_attention
         out0, aux = fn(
-            _to_grid(q, rows, b, t), _to_grid(key, rows0, b, t), _to_grid(value, rows0, b, t),
+            _to_grid(q, rows, b, t), self._grid0[2], self._grid0[3],
             block_mask=self.block_mask, scale=scale, enable_gqa=nh != nkv, return_aux=AuxRequest(lse=True),
         )
         g = nh // nkv
@@ -183,15 +190,20 @@ def _slots(rows: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _to_grid(x: torch.Tensor, rows: torch.Tensor, b: int, t: int) -> torch.Tensor:
-    """``[1, heads, n, hd]`` on ``rows`` → ``[B, heads, T, hd]``, zeros elsewhere."""
+    """``[1, heads, n, hd]`` on ``rows`` → ``[B, heads, T, hd]``, zeros elsewhere (a view of
+    ``x`` when ``rows`` are every position: ascending and distinct, they are then ``0..B·T-1``)."""
     heads, hd = x.shape[1], x.shape[3]
+    if rows.numel() == b * t:
+        return x[0].view(heads, b, t, hd).transpose(0, 1)
     grid = x.new_zeros(b * t, heads, hd).index_copy(0, rows, x[0].transpose(0, 1))
     return grid.view(b, t, heads, hd).transpose(1, 2)
 
 
 def _from_grid(y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``[B, heads, T, hd]`` → ``[1, heads, n, hd]`` at ``rows``."""
+    """``[B, heads, T, hd]`` → ``[1, heads, n, hd]`` at ``rows`` (every position: a reshape)."""
     b, heads, t, hd = y.shape
+    if rows.numel() == b * t:
+        return y.transpose(0, 1).reshape(heads, b * t, hd)[None]
     return y.transpose(1, 2).reshape(b * t, heads, hd).index_select(0, rows).transpose(0, 1)[None]
 
 

@@ -171,7 +171,7 @@ def ttt_unroll(
             values.append(value)
             key_rows.append(inputs)
             with record_function("eagle3.attention"):  # flex over the step's keys + the same-position merge
-                return attention(q, idx, keys, values, key_rows)
+                return attention(q, idx, keys, values, key_rows, same_at=plan.same[k])
 
         step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[inputs][None]
         step_pos = (pos + k).flatten()[inputs][None]
@@ -214,7 +214,9 @@ class UnrollPlan:
       indices among ``rows[k-1]`` (where the carried hidden comes from);
     - ``here[k]``: the indices among ``rows[k]`` with a step-k target, ``flat[k]`` their positions,
       ``label[k]`` their teacher rows (index t+k, the distribution at t+k+1);
-    - ``teacher_index``: the flattened indices i some step reads (the teacher at position i+1).
+    - ``teacher_index``: the flattened indices i some step reads (the teacher at position i+1);
+    - ``same[k]`` (k ≥ 1): for each step j = 1..k, ``rows[k]``'s indices among ``rows[j]`` (where
+      the keys step j made at the queries' own positions are; ``[]`` at step 0).
 
     Built on the host from one device-to-host copy of the three masks and sent back in one copy:
     the sizes are data-dependent, and working them out on the device would make the host wait
@@ -230,6 +232,7 @@ class UnrollPlan:
     flat: list
     label: list
     teacher_index: torch.Tensor
+    same: list
 
     @classmethod
     def build(cls, attn, lm, seq, ttt_length: int, *, device) -> "UnrollPlan":
@@ -248,16 +251,20 @@ class UnrollPlan:
         real = np.flatnonzero(host[0])
         queries0 = np.searchsorted(real, rows[0])
         carry, here, flat, label = [None] * ttt_length, [None] * ttt_length, [None] * ttt_length, [None] * ttt_length
+        slots = [None if r is None else _host_slots(r, b * t) for r in rows]
+        same = [[] for _ in range(ttt_length)]
         for k in range(ttt_length):
             if rows[k] is None:
                 continue
             if k:
-                carry[k] = _host_slots(rows[k - 1], b * t)[rows[k]]
+                carry[k] = slots[k - 1][rows[k]]
+                same[k] = [slots[j][rows[k]] for j in range(1, k + 1)]
             here[k] = np.flatnonzero(flat_valid[k][rows[k]])
             flat[k] = rows[k][here[k]]
             label[k] = teacher_slot[flat[k] + k]
         # one host-to-device copy of every index, then views of it
-        parts = [real, queries0, teacher_index, *(x for group in (rows, carry, here, flat, label) for x in group if x is not None)]
+        parts = [real, queries0, teacher_index, *(x for group in (rows, carry, here, flat, label) for x in group if x is not None),
+                 *(x for at in same for x in at)]
         sizes = [p.size for p in parts]
         packed = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
         valid_h = torch.from_numpy(np.stack(valid))
@@ -269,7 +276,9 @@ class UnrollPlan:
         views = iter(packed.split(sizes))
         real_d, queries0_d, teacher_index_d = next(views), next(views), next(views)
         groups = [[None if x is None else next(views) for x in group] for group in (rows, carry, here, flat, label)]
-        return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], groups[3], groups[4], teacher_index_d)
+        same_d = [[next(views) for _ in at] for at in same]
+        return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], groups[3], groups[4], teacher_index_d,
+                   same_d)
 
 
 def _host_slots(rows: np.ndarray, size: int) -> np.ndarray:

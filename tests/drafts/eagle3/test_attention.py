@@ -30,12 +30,15 @@ def test_auto_backend_is_sdpa_on_cpu_and_unknown_names_are_config_errors():
         resolve_backend("eager", torch.device("cpu"))
 
 
-def attention_inputs(seed, B=2, T=9, nh=4, nkv=2, hd=8, steps=4):
-    """Queries and per-step keys on rows: step 0 = the real tokens, step j = a shrinking subset."""
+def attention_inputs(seed, B=2, T=9, nh=4, nkv=2, hd=8, steps=4, padded=True):
+    """Queries and per-step keys on rows: step 0 = the real tokens, step j = a shrinking subset.
+    ``padded=False``: every position is a real token (the grid layout of step 0 is a view)."""
     g = torch.Generator().manual_seed(seed)
     attention = torch.ones(B, T, dtype=torch.long)
-    attention[1, 6:] = 0
-    seq = torch.tensor([[0] * 4 + [1] * 5, [0] * 3 + [1] * 3 + [-1] * 3])
+    seq = torch.tensor([[0] * 4 + [1] * 5, [0] * 3 + [1] * 6])
+    if padded:
+        attention[1, 6:] = 0
+        seq[1, 6:] = -1
     rows = [torch.nonzero(attention.flatten()).flatten()]
     for _ in range(1, steps):
         keep = torch.rand(rows[-1].numel(), generator=g) < 0.8
@@ -117,3 +120,19 @@ def test_flex_and_sdpa_agree_in_loss_metrics_and_gradients_on_cuda(dtype):
     for name in gs:
         scale = gs[name].abs().max().item() + 1e-6
         assert (gs[name] - gf[name]).abs().max().item() / scale < tol * 10, name
+
+
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_one_attention_serves_every_step_with_or_without_the_plans_indices(backend, padded):
+    """The unroll calls one TTTAttention per batch at every step (flex lays the step-0 keys out
+    once); with the plan's same-position indices or without, each step equals the dense rule."""
+    queries, keys, values, rows, attention, seq = attention_inputs(seed=7, padded=padded)
+    attend = TTTAttention(attention, seq, backend)
+    with torch.no_grad():
+        for k in range(len(rows)):
+            args = (queries[k], rows[k], keys[: k + 1], values[: k + 1], rows[: k + 1])
+            want = dense_ttt_attention(*args, attention, seq)
+            same_at = [torch.searchsorted(rows[j], rows[k]) for j in range(1, k + 1)]
+            for given in (None, same_at):
+                assert (attend(*args, same_at=given) - want).abs().max() < 1e-5

@@ -44,4 +44,8 @@ def test_the_plan_of_a_packed_padded_batch_equals_the_definitions():
         assert previous[chosen].tolist() == want  # step 0's queries among the real tokens, later: the carried rows
         assert rows[plan.here[k]].tolist() == plan.flat[k].tolist() == [p for p in want if valid(k, p)]
         assert [teacher[i] for i in plan.label[k].tolist()] == [p + k for p in plan.flat[k].tolist()]
+        # the same-position keys: step j's rows (j = 1..k) hold every one of step k's rows
+        assert len(plan.same[k]) == k
+        for j, at in enumerate(plan.same[k], start=1):
+            assert plan.rows[j][at].tolist() == want
         previous = rows
