@@ -38,11 +38,9 @@ import time
 LAUNCH = time.perf_counter()  # before torch's import: the cold start counts it
 
 import argparse  # noqa: E402
-import gzip  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import shutil  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -343,11 +341,17 @@ def profile_step(args, loop, batch, key: str) -> None:
     events = prof.key_averages()
     # the forward's named stages (record_function ranges in drafts/eagle3) and the backward by
     # autograd node: device time of the kernels each one launched, per step. A range has two rows:
-    # the host's (its kernels' sum) and the device timeline's annotation (first to last kernel: _span)
+    # the host's (its kernels' sum, and its host time: launching, dispatch, Python; where the device
+    # waits on the host, a stage's host time exceeds its kernels' time) and the device timeline's
+    # annotation (first to last kernel: _span)
     for e in events:
         if e.key.startswith("eagle3."):
-            span = "" if e.device_type == torch.autograd.DeviceType.CPU else "_span"
-            report(f"{key}_fwd_{e.key.removeprefix('eagle3.')}{span}_ms", _device_ms(e))
+            stage = e.key.removeprefix("eagle3.")
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                report(f"{key}_fwd_{stage}_ms", _device_ms(e))
+                report(f"{key}_fwd_{stage}_host_ms", e.cpu_time_total / 1e3 / 2)
+            else:
+                report(f"{key}_fwd_{stage}_span_ms", _device_ms(e))
     backward = sorted((e for e in events if e.key.startswith("autograd::engine::evaluate_function: ")),
                       key=lambda e: -_device_ms(e))
     for e in backward[:12]:
@@ -357,20 +361,11 @@ def profile_step(args, loop, batch, key: str) -> None:
     cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90)
     shapes = prof.key_averages(group_by_input_shape=True).table(
         sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=110)
-    # host milliseconds per step inside each named stage (launching, dispatch, Python): where the
-    # device waits on the host, a stage's host time exceeds its kernels' time
-    for e in events:
-        if e.key.startswith("eagle3.") and e.device_type == torch.autograd.DeviceType.CPU:
-            report(f"{key}_fwd_{e.key.removeprefix('eagle3.')}_host_ms", e.cpu_time_total / 1e3 / 2)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / f"profile_{key}.txt").write_text(table + "\n\n" + cpu_table + "\n\n" + shapes)
         # the two steps' timeline (open in https://ui.perfetto.dev): device gaps and what the host did then
-        trace = Path(args.out) / f"trace_{key}.json"
-        prof.export_chrome_trace(str(trace))
-        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        trace.unlink()
+        prof.export_chrome_trace(str(Path(args.out) / f"trace_{key}.json.gz"))
     print("\n".join(line[:160] for line in table.splitlines()[:24]), flush=True)
 
 
