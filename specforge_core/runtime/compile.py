@@ -10,7 +10,10 @@ Two kinds of code are compiled, both only with ``training.compile`` on CUDA (the
 calls :func:`use_fused`; flex attention is compiled always, it has no fast eager path):
 
 - every ``*RMSNorm`` (fp32 cast, variance, rsqrt, scale) and ``*MLP`` (SiLU × up) module: several
-  passes over the activations in eager mode, one fused kernel around the matmuls compiled;
+  passes over the activations in eager mode, one fused kernel around the matmuls compiled; the
+  EAGLE3 draft's decoder layer instead as two regions (``compiled_regions``: norms, concat,
+  q/k/v, RoPE; o_proj, residuals, norm, MLP), whose dozens of small launches per unrolled step
+  the host otherwise issues one by one while the device waits;
 - :func:`fused` functions: the unroll's passes over ``[N, Vd]`` logits (soft CE, overlap, their
   backward), the teacher's per-chunk statistics and the same-position merge, a few fp32
   element-wise operations each that read their inputs once and gather as they read.
@@ -49,14 +52,27 @@ def fused(fn, device: torch.device):
 
 
 def compile_pointwise(root: nn.Module) -> int:
-    """``torch.compile(dynamic=True)`` every ``*RMSNorm`` and ``*MLP`` module under ``root``.
+    """``torch.compile(dynamic=True)`` every ``*RMSNorm`` and ``*MLP`` module under ``root``, and
+    each method a module's class names in ``compiled_regions`` (one region each: its norms, MLP,
+    projections and the element-wise work between them in one graph; modules under it are left
+    to it).
 
     Returns how many were compiled. Modules of one class share one compiled graph (their
     parameters are graph inputs); ``dynamic=True`` because token counts change every step.
     Forward and backward both use the compiled kernels.
     """
     count = 0
+    covered: set[int] = set()
     for module in root.modules():
+        if id(module) in covered:
+            continue
+        regions = getattr(type(module), "compiled_regions", ())
+        if regions:
+            for method in regions:
+                setattr(module, method, torch.compile(getattr(module, method), dynamic=True))
+            covered.update(id(m) for m in module.modules())
+            count += len(regions)
+            continue
         name = type(module).__name__
         if name.endswith("RMSNorm") or name.endswith("MLP"):
             module.compile(dynamic=True)

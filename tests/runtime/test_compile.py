@@ -42,6 +42,18 @@ def test_the_draft_builder_sets_fusion_from_training_compile(tiny_target_dir, co
     assert (comp.fused(_double, "cuda") is not _double) == compile
 
 
+def test_the_draft_layer_is_compiled_as_its_two_regions_and_nothing_inside_it_twice():
+    from tests.drafts.eagle3.fixtures import tiny_draft
+
+    draft = tiny_draft(seed=1)
+    eager = {name: getattr(draft.midlayer, name) for name in ("project_qkv", "complete")}
+    assert comp.compile_pointwise(draft) == 3  # the layer's two regions and the final norm
+    for name, method in eager.items():  # compiling is lazy: nothing is traced until a call
+        assert getattr(draft.midlayer, name) is not method and name in vars(draft.midlayer)
+    assert draft.norm._compiled_call_impl is not None
+    assert all(m._compiled_call_impl is None for m in draft.midlayer.modules())
+
+
 def test_compile_cache_points_inductor_at_the_run_directory_for_the_block_only(tmp_path, monkeypatch):
     monkeypatch.delenv(comp.CACHE_ENV, raising=False)
     with comp.compile_cache(tmp_path / "run" / "compile-cache") as where:

@@ -101,7 +101,9 @@ class TTTAttention:
             def mask_mod(bi, hi, qi, ki):
                 return (ki <= qi) & (seq[bi, ki] == seq[bi, qi]) & (real[bi, ki] | (ki == qi))
 
-            self.block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=real.device)
+            # compiled on CUDA: eagerly its mask_mod runs as dozens of small launches over [B, T, T]
+            self.block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=real.device,
+                                                _compile=real.is_cuda)
 
     def __call__(
         self,

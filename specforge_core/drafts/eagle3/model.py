@@ -69,7 +69,12 @@ class Eagle3Attention(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The single decoder layer, split where the attention pattern is plugged in."""
+    """The single decoder layer, split where the attention pattern is plugged in.
+
+    ``compiled_regions``: the two halves around the attention, each one ``torch.compile`` region
+    with ``training.compile`` on CUDA (``runtime.compile.compile_pointwise``)."""
+
+    compiled_regions = ("project_qkv", "complete")
 
     def __init__(self, config: LlamaConfig):
         super().__init__()

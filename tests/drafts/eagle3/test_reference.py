@@ -103,10 +103,16 @@ def test_a_batch_without_targets_has_zero_loss_and_zero_gradients():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flex backward, fused loss kernels)")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_layer", "compiled_layer"])
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_fast_path_on_cuda_matches_reference(backend):
-    """On GPU: fused loss kernels and flex attention (head_dim >= 16 for its kernels)."""
+def test_fast_path_on_cuda_matches_reference(backend, compiled):
+    """On GPU: fused loss kernels and flex attention (head_dim >= 16 for its kernels), with the
+    decoder layer eager or compiled as ``training.compile`` compiles it."""
+    from specforge_core.runtime.compile import compile_pointwise
+
     draft = tiny_draft(seed=31, head_dim=32)
+    if compiled:
+        compile_pointwise(draft)
     batch = random_batch(seed=31, lengths=[12, 9], T=12, target_hidden=24)
     diffs, _ = compare_with_reference(draft, batch, target_head(31, 24), K=7, backend=backend, device="cuda")
     assert diffs["counts"] == 0
