@@ -60,7 +60,8 @@ class Run:
         self.proc, self.world = proc, world
         self.lines: list[str] = []
         self._new: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     @classmethod
     def start(cls, config: Path, *, world: int, crash_on: str | None = None, crash_skip: int = 0,
@@ -110,9 +111,7 @@ class Run:
 
     def wait(self, timeout: float = 300) -> int:
         self.proc.wait(timeout=timeout)
-        deadline = time.monotonic() + 10
-        while self._new.qsize() and time.monotonic() < deadline:  # let the reader drain
-            time.sleep(0.01)
+        self._reader.join(timeout=10)  # every line the run printed is in self.lines
         return self.proc.returncode
 
     def rank_pids(self) -> dict[int, int]:
