@@ -28,16 +28,13 @@ $(STAMP): pyproject.toml
 # Prefect servers and flow runs), which overlaps well. PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
-# One torch thread per worker: two workers already fill two cores, and a second thread each only
-# spins against the other worker's processes (SmolLM2 decoding ran 5x slower in the suite than alone).
-TEST_THREADS ?= 1
 
 test: $(STAMP)
-	$(PREFECT_ENV) OMP_NUM_THREADS=$(TEST_THREADS) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+	$(PREFECT_ENV) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # the suite without the slow real-model checks
 test-fast: $(STAMP)
-	$(PREFECT_ENV) OMP_NUM_THREADS=$(TEST_THREADS) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest $(PYTEST_XDIST) -m 'not slow' $(PYTEST_ARGS)
+	$(PREFECT_ENV) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest $(PYTEST_XDIST) -m 'not slow' $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PREFECT_ENV) $(BIN)/python -m flows.demo --profile smollm2

@@ -15,8 +15,14 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One intra-op thread per worker when xdist runs two of them on the 2 cores (no oversubscription).
-os.environ.setdefault("OMP_NUM_THREADS", "1" if _worker else "2")
+# One intra-op thread per worker when xdist runs two of them on the 2 cores: a second thread each
+# only spins against the other worker's processes (SmolLM2 decoding ran 5x slower in the suite than
+# alone). Set, not defaulted: workers inherit the controller's environment, where this file has
+# already run and defaulted it to 2.
+if _worker:
+    os.environ["OMP_NUM_THREADS"] = "1"
+else:
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 from pathlib import Path  # noqa: E402
 
