@@ -19,7 +19,13 @@ Phases (``--phases``, default all):
 - ``train``: the end-to-end loop (stream → objective → backward → optimizer), steady-state
   tokens/s and samples/s, capture share, padding, peak memory, peak staged features, seconds from
   launch to the first optimizer step;
-- ``peer``: SpecForge 0.2.0's draft step of the same family on the same dense shapes as ``draft``.
+- ``peer``: SpecForge 0.2.0's draft step of the same family on the same dense shapes as ``draft``
+  (``--peer-teachers full,compact``: also with its compact teacher, built from the last hidden
+  state as ours is, ``draft_vs_peer_compact_*``).
+
+``--profile`` (draft phase, CUDA): per shape, forward / backward / optimizer by CUDA events, the
+forward's stages and the backward's autograd nodes by device time, the device's idle time by
+phase and stage (``..._idle_<phase|stage>_ms``), a profiler table and the timeline.
 
 ``--family dflash`` times the DFlash family instead (``--dflash-layers`` captured layers and draft
 layers, block ``--dflash-block``): capture without the final hidden, the DFlash objective, the
@@ -316,7 +322,7 @@ def profile_step(args, loop, batch, key: str) -> None:
     """Where one step's time goes: forward / backward / optimizer medians by CUDA events, then a
     torch.profiler table of 2 steps (top kernels and ops by device time) in DIR/profile_<key>.txt and
     their timeline in DIR/trace_<key>.json.gz."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     parts = {"forward": [], "backward": [], "optimizer": []}
     for _ in range(args.steps):
@@ -336,7 +342,13 @@ def profile_step(args, loop, batch, key: str) -> None:
         report(f"{key}_{name}_ms", sorted(ms)[len(ms) // 2])
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(2):
-            loop.step(batch)
+            with record_function("bench.forward"):
+                loss, sums = loop.root(batch)
+            with record_function("bench.backward"):
+                loop.optimizer.backward(loss)
+            del loss, sums
+            with record_function("bench.optimizer"):
+                loop.optimizer.step()
         torch.cuda.synchronize()
     events = prof.key_averages()
     # the forward's named stages (record_function ranges in drafts/eagle3) and the backward by
@@ -365,8 +377,42 @@ def profile_step(args, loop, batch, key: str) -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / f"profile_{key}.txt").write_text(table + "\n\n" + cpu_table + "\n\n" + shapes)
         # the two steps' timeline (open in https://ui.perfetto.dev): device gaps and what the host did then
-        prof.export_chrome_trace(str(Path(args.out) / f"trace_{key}.json.gz"))
+        trace = Path(args.out) / f"trace_{key}.json.gz"
+        prof.export_chrome_trace(str(trace))
+        for name, ms in device_idle(trace, steps=2).items():
+            report(f"{key}_idle_{name}_ms", ms)
     print("\n".join(line[:160] for line in table.splitlines()[:24]), flush=True)
+
+
+def device_idle(trace: Path, steps: int) -> dict[str, float]:
+    """Milliseconds per step the device sat idle (no kernel, copy or memset running) in a profiler
+    timeline: in all (first to last kernel), inside each ``bench.*`` phase's device span, and
+    inside each forward stage's span (``eagle3.*``; a gap counts to the innermost span around it).
+    Idle inside a span is the host launching that stage's work while the device waits."""
+    import gzip
+
+    events = json.loads(gzip.open(trace).read())["traceEvents"]
+    busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    if not busy:
+        return {}
+    gaps, end = [], busy[0][1]
+    for a, z in busy[1:]:
+        if a > end:
+            gaps.append((end, a))
+        end = max(end, z)
+    spans = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+             if e.get("cat") == "gpu_user_annotation" and e["name"].startswith(("bench.", "eagle3."))]
+    idle = {"all": sum(z - a for a, z in gaps)}
+    for a, z in gaps:
+        mid = (a + z) / 2
+        around = [s for s in spans if s[0] <= mid <= s[1]]
+        for prefix in ("bench.", "eagle3."):
+            inner = [s for s in around if s[2].startswith(prefix)]
+            if inner:
+                name = min(inner, key=lambda s: s[1] - s[0])[2].split(".", 1)[1]
+                idle[name] = idle.get(name, 0.0) + z - a
+    return {k: v / 1e3 / steps for k, v in idle.items()}
 
 
 def compile_seconds() -> float:
@@ -442,31 +488,40 @@ def phase_train(args, backend, rows, variant: str) -> None:
 def phase_peer(args, backend) -> None:
     """SpecForge 0.2.0's draft step of the same family on the same dense shapes, at its best: in a
     process of its own (``bench/gpu_peer_standalone.py``) with the CUDA allocator at its default
-    (this process's expandable segments cost the peer 19-20 %, measured 2026-12-01)."""
+    (this process's expandable segments cost the peer 19-20 %, measured 2026-12-01).
+
+    ``--peer-teachers full,compact`` also times the peer with its compact teacher (built from the
+    last hidden state per vocab chunk, as ours is; ``peer_compact_*``): its default step is handed
+    full-vocab target logits, so the target head's matmul is in neither its step nor, in
+    ``vs_peer``, its capture, while ours computes it inside the draft step."""
     import subprocess
 
-    cmd = [sys.executable, str(Path(__file__).with_name("gpu_peer_standalone.py")), "--shape", args.shape,
-           "--shapes", ",".join(f"{b}x{t}" for b, t in args.draft_shapes), "--family", args.family,
-           "--ttt-length", str(args.ttt_length), "--vocab-d", str(args.vocab_d), "--iters", str(max(args.steps, 5))]
-    if args.family == "dflash":
-        dflash = run_config(args).draft.dflash
-        cmd += ["--dflash-layer-ids", ",".join(str(x) for x in backend.layer_ids), "--dflash-block", str(args.dflash_block),
-                "--dflash-anchors", str(dflash.num_anchors), "--dflash-mask", str(args.dflash_mask)]
-        if dflash.loss_decay_gamma is not None:
-            cmd += ["--dflash-gamma", str(dflash.loss_decay_gamma)]
-    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    found = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if not found:
-        print(f"peer: the standalone peer gave no result (exit {proc.returncode}): {(proc.stdout + proc.stderr)[-1500:]}")
-        return
-    best = None
-    for b, t in args.draft_shapes:
-        tps = found[0][f"standalone_{b}x{t}_tokens_per_s_median"]
-        report(f"peer_{b}x{t}_tokens_per_s", tps)
-        report(f"peer_{b}x{t}_peak_gib", found[0][f"standalone_{b}x{t}_peak_gib"])
-        best = tps if best is None else max(best, tps)
-    report("peer_best_tokens_per_s", best)
+    for teacher in args.peer_teachers:
+        cmd = [sys.executable, str(Path(__file__).with_name("gpu_peer_standalone.py")), "--shape", args.shape,
+               "--shapes", ",".join(f"{b}x{t}" for b, t in args.draft_shapes), "--family", args.family,
+               "--ttt-length", str(args.ttt_length), "--vocab-d", str(args.vocab_d), "--iters", str(max(args.steps, 5)),
+               "--teacher", teacher]
+        if args.family == "dflash":
+            dflash = run_config(args).draft.dflash
+            cmd += ["--dflash-layer-ids", ",".join(str(x) for x in backend.layer_ids), "--dflash-block", str(args.dflash_block),
+                    "--dflash-anchors", str(dflash.num_anchors), "--dflash-mask", str(args.dflash_mask)]
+            if dflash.loss_decay_gamma is not None:
+                cmd += ["--dflash-gamma", str(dflash.loss_decay_gamma)]
+        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        found = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if not found:
+            print(f"peer ({teacher} teacher): the standalone peer gave no result (exit {proc.returncode}): "
+                  f"{(proc.stdout + proc.stderr)[-1500:]}")
+            continue
+        prefix = "peer" if teacher == "full" else f"peer_{teacher}"
+        best = None
+        for b, t in args.draft_shapes:
+            tps = found[0][f"standalone_{b}x{t}_tokens_per_s_median"]
+            report(f"{prefix}_{b}x{t}_tokens_per_s", tps)
+            report(f"{prefix}_{b}x{t}_peak_gib", found[0][f"standalone_{b}x{t}_peak_gib"])
+            best = tps if best is None else max(best, tps)
+        report(f"{prefix}_best_tokens_per_s", best)
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -482,7 +537,8 @@ def parse_args(argv=None):
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
     p.add_argument("--ttt-length", type=int, default=7)
-    p.add_argument("--vocab-d", type=int, default=32000)
+    p.add_argument("--vocab-d", type=int, default=None,
+                   help="draft vocabulary (default 32000, or the whole vocabulary of a smaller target: --shape tiny)")
     p.add_argument("--draft-shapes", default="1x4096,4x2048")
     p.add_argument("--plain-shape", default="4x4096")
     p.add_argument("--draft-variants", default="eager,compiled", help="compiled: the draft's norms/MLPs too")
@@ -493,6 +549,8 @@ def parse_args(argv=None):
     p.add_argument("--dflash-layers", type=int, default=5, help="DFlash draft layers (= captured target layers)")
     p.add_argument("--dflash-block", type=int, default=16)
     p.add_argument("--dflash-mask", type=int, default=151669, help="DFlash mask token id (Qwen3's)")
+    p.add_argument("--peer-teachers", default="full",
+                   help="full (the peer's best: handed target logits); full,compact: also from the last hidden state")
     p.add_argument("--profile", action="store_true", help="draft phase: split and profile each timed shape (DIR/profile_*.txt)")
     p.add_argument("--compile-cache", default=None,
                    help="TORCHINDUCTOR_CACHE_DIR for this process (an empty one: a cold start; the product "
@@ -504,6 +562,12 @@ def parse_args(argv=None):
     args.device = torch.device(args.device)
     args.phases = args.phases.split(",")
     args.draft_variants = args.draft_variants.split(",")
+    args.peer_teachers = args.peer_teachers.split(",")
+    unknown = set(args.peer_teachers) - {"full", "compact"}
+    if unknown:
+        p.error(f"--peer-teachers: {sorted(unknown)} unknown; give full and/or compact")
+    if args.family != "eagle3" and args.peer_teachers != ["full"]:
+        p.error("--peer-teachers: the compact teacher is EAGLE3's; leave it out with --family dflash")
     args.draft_shapes = [tuple(int(x) for x in s.split("x")) for s in args.draft_shapes.split(",")]
     args.plain_shape = tuple(int(x) for x in args.plain_shape.split("x"))
     return args
@@ -550,11 +614,16 @@ def main(argv=None) -> None:
 
     report("transformers", transformers.__version__)
     report("date", time.strftime("%Y-%m-%d %H:%M"))
-    report("config", f"batch_size={args.batch_size} token_budget={args.token_budget} ttt={args.ttt_length} "
-                     f"Vd={args.vocab_d} steps={args.steps}")
     t0 = time.perf_counter()
     backend = build_backend(args)
     report("build_target_seconds", time.perf_counter() - t0)
+    if args.vocab_d is None:
+        args.vocab_d = min(32000, backend.vocab_size)
+    elif not 0 < args.vocab_d <= backend.vocab_size:
+        sys.exit(f"--vocab-d {args.vocab_d}: the draft vocabulary must be 1..{backend.vocab_size} (the target's "
+                 f"vocabulary at --shape {args.shape}); give a smaller --vocab-d or leave it out")
+    report("config", f"batch_size={args.batch_size} token_budget={args.token_budget} ttt={args.ttt_length} "
+                     f"Vd={args.vocab_d} steps={args.steps}")
     rows = sharegpt_like_rows(args.samples, backend.vocab_size, args.seed)
     report("mean_sample_tokens", sum(len(r["input_ids"]) for r in rows) / len(rows))
     # Eager first, then the peer, then the compiled variants: a slow compile cannot cost the baseline.
@@ -576,9 +645,10 @@ def main(argv=None) -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
     for b, t in args.draft_shapes:
-        ours, peer = RESULTS.get(f"draft_{b}x{t}_tokens_per_s"), RESULTS.get(f"peer_{b}x{t}_tokens_per_s")
-        if ours and peer:
-            report(f"draft_vs_peer_{b}x{t}", ours / peer)
+        for prefix in ("peer", "peer_compact"):
+            ours, peer = RESULTS.get(f"draft_{b}x{t}_tokens_per_s"), RESULTS.get(f"{prefix}_{b}x{t}_tokens_per_s")
+            if ours and peer:
+                report(f"draft_vs_{prefix}_{b}x{t}", ours / peer)
     if "train_tokens_per_s" in RESULTS:
         report("train_best_tokens_per_s", RESULTS["train_tokens_per_s"])
     plain, peer, ours = (RESULTS.get(k) for k in ("plain_forward_tokens_per_s", "peer_best_tokens_per_s", "train_tokens_per_s"))

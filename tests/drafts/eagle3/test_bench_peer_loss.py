@@ -1,24 +1,8 @@
 """bench/cpu_train.py's torch stand-in for SpecForge 0.2.0's Triton loss computes its formula."""
 
-import importlib.util
-import os
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("cpu_train", ROOT / "bench" / "cpu_train.py")
-    module = importlib.util.module_from_spec(spec)
-    saved = dict(os.environ)
-    try:
-        spec.loader.exec_module(module)  # its import sets process-wide OpenMP settings
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return module
+from tests.bench_scripts import load_bench
 
 
 def test_peer_loss_and_its_gradient_equal_the_reference_formula():
@@ -26,7 +10,7 @@ def test_peer_loss_and_its_gradient_equal_the_reference_formula():
     logits = torch.randn(2, 5, 11, generator=g, dtype=torch.float64, requires_grad=True)
     target = torch.softmax(torch.randn(2, 5, 11, generator=g, dtype=torch.float64), -1)
     mask = (torch.rand(2, 5, 1, generator=g) > 0.3).double()
-    loss = _bench().PeerKLLoss.apply(logits, target, mask)
+    loss = load_bench("cpu_train").PeerKLLoss.apply(logits, target, mask)
     (grad,) = torch.autograd.grad(loss, logits)
     # SpecForge 0.2.0's reference (specforge/core/loss.py, _compute_loss): -Σ_v mask·p·log_softmax(z), mean over B·T
     ref_logits = logits.detach().clone().requires_grad_(True)
