@@ -54,6 +54,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
 
 from bench import gpu_reference as ref  # noqa: E402
 
@@ -266,14 +267,18 @@ class TrainLoop:
         self.build_split = {"distributed": t[1] - t[0], "draft": t[2] - t[1], "step": t[3] - t[2]}
 
     def step(self, batch) -> None:
+        """One step; its phases are named ``bench.forward/backward/optimizer`` in a profile."""
         from specforge_core.runtime.trainer import sum_loss_grad_scale
 
-        loss, sums = self.root(batch)
-        self.optimizer.backward(loss)
+        with record_function("bench.forward"):
+            loss, sums = self.root(batch)
+        with record_function("bench.backward"):
+            self.optimizer.backward(loss)
         # as the trainer does for a summed loss (DFlash): divide by the global weight
         scale = sum_loss_grad_scale(self.d, float(sums["weight_sum"]), 1) if self.loss_is_sum else None
         del loss, sums
-        self.optimizer.step(scale)
+        with record_function("bench.optimizer"):
+            self.optimizer.step(scale)
 
 
 def dense_batch(args, backend, b, t):
@@ -322,7 +327,7 @@ def profile_step(args, loop, batch, key: str) -> None:
     """Where one step's time goes: forward / backward / optimizer medians by CUDA events, then a
     torch.profiler table of 2 steps (top kernels and ops by device time) in DIR/profile_<key>.txt and
     their timeline in DIR/trace_<key>.json.gz."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     parts = {"forward": [], "backward": [], "optimizer": []}
     for _ in range(args.steps):
@@ -342,13 +347,7 @@ def profile_step(args, loop, batch, key: str) -> None:
         report(f"{key}_{name}_ms", sorted(ms)[len(ms) // 2])
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(2):
-            with record_function("bench.forward"):
-                loss, sums = loop.root(batch)
-            with record_function("bench.backward"):
-                loop.optimizer.backward(loss)
-            del loss, sums
-            with record_function("bench.optimizer"):
-                loop.optimizer.step()
+            loop.step(batch)
         torch.cuda.synchronize()
     events = prof.key_averages()
     # the forward's named stages (record_function ranges in drafts/eagle3) and the backward by
@@ -496,19 +495,18 @@ def phase_peer(args, backend) -> None:
     ``vs_peer``, its capture, while ours computes it inside the draft step."""
     import subprocess
 
+    cmd = [sys.executable, str(Path(__file__).with_name("gpu_peer_standalone.py")), "--shape", args.shape,
+           "--shapes", ",".join(f"{b}x{t}" for b, t in args.draft_shapes), "--family", args.family,
+           "--ttt-length", str(args.ttt_length), "--vocab-d", str(args.vocab_d), "--iters", str(max(args.steps, 5))]
+    if args.family == "dflash":
+        dflash = run_config(args).draft.dflash
+        cmd += ["--dflash-layer-ids", ",".join(str(x) for x in backend.layer_ids), "--dflash-block", str(args.dflash_block),
+                "--dflash-anchors", str(dflash.num_anchors), "--dflash-mask", str(args.dflash_mask)]
+        if dflash.loss_decay_gamma is not None:
+            cmd += ["--dflash-gamma", str(dflash.loss_decay_gamma)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
     for teacher in args.peer_teachers:
-        cmd = [sys.executable, str(Path(__file__).with_name("gpu_peer_standalone.py")), "--shape", args.shape,
-               "--shapes", ",".join(f"{b}x{t}" for b, t in args.draft_shapes), "--family", args.family,
-               "--ttt-length", str(args.ttt_length), "--vocab-d", str(args.vocab_d), "--iters", str(max(args.steps, 5)),
-               "--teacher", teacher]
-        if args.family == "dflash":
-            dflash = run_config(args).draft.dflash
-            cmd += ["--dflash-layer-ids", ",".join(str(x) for x in backend.layer_ids), "--dflash-block", str(args.dflash_block),
-                    "--dflash-anchors", str(dflash.num_anchors), "--dflash-mask", str(args.dflash_mask)]
-            if dflash.loss_decay_gamma is not None:
-                cmd += ["--dflash-gamma", str(dflash.loss_decay_gamma)]
-        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([*cmd, "--teacher", teacher], env=env, capture_output=True, text=True, timeout=900)
         found = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if not found:
             print(f"peer ({teacher} teacher): the standalone peer gave no result (exit {proc.returncode}): "

@@ -2,6 +2,8 @@
 
 import gzip
 import json
+import subprocess
+import sys
 
 from tests.bench_scripts import BENCH, load_bench
 
@@ -27,9 +29,6 @@ def test_idle_gaps_count_to_the_innermost_span_around_them(tmp_path):
 
 
 def test_the_documented_cpu_smoke_run_of_the_gpu_bench_trains_a_tiny_draft(tmp_path):
-    import subprocess
-    import sys
-
     cmd = [sys.executable, str(BENCH / "gpu_train.py"), "--shape", "tiny", "--device", "cpu", "--steps", "1",
            "--phases", "draft", "--draft-variants", "eager", "--draft-shapes", "1x256", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
