@@ -30,6 +30,7 @@ picks flex on CUDA and sdpa elsewhere.
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
+from specforge_core.drafts.eagle3.rows import take_rows
 from specforge_core.errors import ConfigError
 from specforge_core.runtime.compile import fused
 
@@ -132,7 +133,7 @@ class TTTAttention:
         b, t = self.shape
         here = same_at if same_at is not None else [_slots(r, b * t)[q_rows] for r in key_rows[1:]]
         out = fused(_same_position_merge, q.device)(q, out0, lse0, keys[1:], values[1:], here, scale)
-        return out.to(q.dtype).view(1, nh, -1, hd)
+        return out.view(1, nh, -1, hd)
 
     def _step_zero_sdpa(self, q, key, value, rows, scale):
         """Each sample's queries against its own step-0 keys: fp32 output ``[1,nkv,g,n,hd]`` and
@@ -196,8 +197,8 @@ def _to_grid(x: torch.Tensor, rows: torch.Tensor, b: int, t: int) -> torch.Tenso
     ``x`` when ``rows`` are every position: ascending and distinct, they are then ``0..B·T-1``)."""
     heads, hd = x.shape[1], x.shape[3]
     if rows.numel() == b * t:
-        return x[0].view(heads, b, t, hd).transpose(0, 1)
-    grid = x.new_zeros(b * t, heads, hd).index_copy(0, rows, x[0].transpose(0, 1))
+        return x.squeeze(0).view(heads, b, t, hd).transpose(0, 1)
+    grid = x.new_zeros(b * t, heads, hd).index_copy(0, rows, x.squeeze(0).transpose(0, 1))
     return grid.view(b, t, heads, hd).transpose(1, 2)
 
 
@@ -206,7 +207,7 @@ def _from_grid(y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     b, heads, t, hd = y.shape
     if rows.numel() == b * t:
         return y.transpose(0, 1).reshape(heads, b * t, hd)[None]
-    return y.transpose(1, 2).reshape(b * t, heads, hd).index_select(0, rows).transpose(0, 1)[None]
+    return take_rows(y.transpose(1, 2).reshape(b * t, heads, hd), 0, rows).transpose(0, 1)[None]
 
 
 def _merge(out0: torch.Tensor, lse0: torch.Tensor, diag: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
@@ -225,11 +226,13 @@ def _merge(out0: torch.Tensor, lse0: torch.Tensor, diag: torch.Tensor, values: l
 def _same_position_merge(q, out0, lse0, keys, values, at, scale: float) -> torch.Tensor:
     """The step-0 output ``out0`` / ``lse0`` (fp32 ``[1,nkv,g,n,(hd)]``) merged with the keys and
     values ``[1,nkv,n_j,hd]`` steps 1..k made at each query's own position (``at[j]``: the
-    queries' indices among step j's rows); ``q [1,nh,n,hd]``. Returns fp32 ``[1,nkv,g,n,hd]``."""
+    queries' indices among step j's rows); ``q [1,nh,n,hd]``. Returns ``[1,nkv,g,n,hd]`` in
+    ``q``'s dtype (cast inside the compiled region, backward included)."""
     nkv, hd = keys[0].shape[1], q.shape[3]
     qf = q.view(1, nkv, q.shape[1] // nkv, -1, hd).float()
-    same_keys = [k.index_select(2, i) for k, i in zip(keys, at)]
-    same_values = [v.index_select(2, i) for v, i in zip(values, at)]
+    # distinct rows: compiled, the gradient is a store into place, not index_add's atomics
+    same_keys = [take_rows(k, 2, i) for k, i in zip(keys, at)]
+    same_values = [take_rows(v, 2, i) for v, i in zip(values, at)]
     # fp32 scores of each query against the same-position key of each later step [..., n, k]
     diag = torch.stack([(qf * k[:, :, None].float()).sum(-1) for k in same_keys], dim=-1) * scale
-    return _merge(out0, lse0, diag, same_values)
+    return _merge(out0, lse0, diag, same_values).to(q.dtype)

@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import (
 
 from specforge_core.errors import ModelError
 from specforge_core.drafts.eagle3.config import NUM_AUX_HIDDEN_STATES
+from specforge_core.drafts.eagle3.rows import take_rows
 
 EMBEDDING_KEY = "embed_tokens.weight"
 
@@ -101,8 +102,8 @@ class Eagle3DecoderLayer(nn.Module):
         ``queries``: index along T of the rows to compute outputs for (default all); keys and
         values are made for every row."""
         q, k, v = self.project_qkv(embeds, hidden, cos, sin)
-        if queries is not None:  # index_select: its backward adds into place, no sort
-            q, hidden = q.index_select(2, queries), hidden.index_select(1, queries)
+        if queries is not None:  # distinct rows: the backward copies into place (rows.take_rows)
+            q, hidden = take_rows(q, 2, queries), take_rows(hidden, 1, queries)
         return self.complete(hidden, attend(q, k, v))
 
 
@@ -194,10 +195,11 @@ class Eagle3DraftModel(nn.Module):
         [B,T]`` their RoPE positions, ``attend(q, k, v)`` the attention over this step's q/k/v
         (``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]``, rotated) and whatever keys it keeps. Give
         ``aux_hidden`` (first step: ``project_hidden`` is applied) or the carried ``hidden``.
-        ``queries`` (a long index along T) restricts the outputs to those rows: keys and values
-        are still made for every row, ``q`` and the results have ``Tq = len(queries)`` rows.
-        ``logit_rows`` (a long index along the output rows) computes logits for those rows only
-        (``[B, len(logit_rows), Vd]``): the rows whose hidden is only carried to a later step.
+        ``queries`` (a long index along T, without repeats) restricts the outputs to those rows:
+        keys and values are still made for every row, ``q`` and the results have
+        ``Tq = len(queries)`` rows. ``logit_rows`` (a long index along the output rows, without
+        repeats) computes logits for those rows only (``[B, len(logit_rows), Vd]``): the rows
+        whose hidden is only carried to a later step.
         The training objective calls the draft only through this forward, so wrappers that hook
         ``forward`` (FSDP2) see every parameter use.
         """
@@ -208,7 +210,7 @@ class Eagle3DraftModel(nn.Module):
         cos, sin = self.rotary_emb(embeds, position_ids)
         with record_function("eagle3.layer"):
             hidden = self.midlayer(embeds, hidden, cos, sin, attend, queries)
-        scored = hidden if logit_rows is None else hidden.index_select(1, logit_rows)
+        scored = hidden if logit_rows is None else take_rows(hidden, 1, logit_rows)
         with record_function("eagle3.lm_head"):
             return hidden, self.compute_logits(scored)
 

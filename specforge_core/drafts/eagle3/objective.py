@@ -30,6 +30,7 @@ from torch.profiler import record_function
 
 from specforge_core.drafts.eagle3.attention import TTTAttention
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
+from specforge_core.drafts.eagle3.rows import take_rows
 from specforge_core.drafts.eagle3.teacher import compute_teacher
 from specforge_core.errors import ModelError
 from specforge_core.runtime.compile import fused
@@ -53,14 +54,15 @@ class StepTerms:
 
 
 def _soft_ce_and_overlap(logits, probs, label, weight, log_mass):
-    """Per row: ``weight``·soft CE against ``probs[label]`` and ``Σ_v min(q_draft, p_target)``
-    with ``p_target = probs[label]·exp(log_mass)``; fp32 from the logits' own dtype."""
+    """Per row: ``weight``·soft CE against ``probs[label]``, ``Σ_v min(q_draft, p_target)``
+    with ``p_target = probs[label]·exp(log_mass)`` (fp32 from the logits' own dtype), and the
+    draft's argmax (compiled, one pass over the logits serves all three)."""
     target = probs[label]
     log_q = torch.log_softmax(logits.float(), dim=-1)
     loss = -(target * log_q).sum(dim=-1)
     loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
     overlap = torch.minimum(log_q.exp(), target * log_mass.exp()[..., None]).sum(dim=-1)
-    return loss, overlap
+    return loss, overlap, logits.argmax(dim=-1)
 
 
 def _ce_grad_from_probs(q, target, weight, grad, dtype):
@@ -75,8 +77,8 @@ def _ce_grad(logits, probs, label, weight, grad):
 
 class _SoftTargetTerms(torch.autograd.Function):
     """Per row, in fp32: the soft CE ``-Σ_v target·log_softmax(logits)`` times ``weight`` (with a
-    gradient to ``logits``) and the overlap ``Σ_v min(q_draft, p_target)`` (none), where
-    ``target = probs[label]`` (the teacher rows of this step's positions).
+    gradient to ``logits``), the overlap ``Σ_v min(q_draft, p_target)`` (none) and the draft's
+    argmax (none), where ``target = probs[label]`` (the teacher rows of this step's positions).
 
     On CUDA: compiled kernels that gather the teacher rows as they read them; saves the logits in
     their own dtype and recomputes the softmax in backward (half the activation memory per step in
@@ -90,7 +92,7 @@ class _SoftTargetTerms(torch.autograd.Function):
         ctx.saved_softmax = not logits.is_cuda
         if logits.is_cuda:
             ctx.save_for_backward(logits, probs, label, weight)
-            loss, overlap = fused(_soft_ce_and_overlap, logits.device)(logits, probs, label, weight, log_mass)
+            loss, overlap, argmax = fused(_soft_ce_and_overlap, logits.device)(logits, probs, label, weight, log_mass)
         else:
             target = probs[label]
             log_q = torch.log_softmax(logits.float(), dim=-1)
@@ -98,12 +100,13 @@ class _SoftTargetTerms(torch.autograd.Function):
             loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
             q = log_q.exp_()
             overlap = torch.minimum(q, target * log_mass.exp()[..., None]).sum(dim=-1)
+            argmax = logits.argmax(dim=-1)
             ctx.save_for_backward(q, target, weight)
-        ctx.mark_non_differentiable(overlap)
-        return loss, overlap
+        ctx.mark_non_differentiable(overlap, argmax)
+        return loss, overlap, argmax
 
     @staticmethod
-    def backward(ctx, grad, _):
+    def backward(ctx, grad, _overlap, _argmax):
         if not ctx.saved_softmax:
             logits, probs, label, weight = ctx.saved_tensors
             return fused(_ce_grad, logits.device)(logits, probs, label, weight, grad), None, None, None, None
@@ -113,9 +116,10 @@ class _SoftTargetTerms(torch.autograd.Function):
 
 def soft_target_terms(
     logits: torch.Tensor, probs: torch.Tensor, label: torch.Tensor, weight: torch.Tensor, log_mass: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row-wise weighted soft cross-entropy against ``probs[label]`` (fp32, gradient to ``logits``
-    only) and the overlap ``Σ_v min(softmax(logits), probs[label]·exp(log_mass))`` (no gradient)."""
+    only), the overlap ``Σ_v min(softmax(logits), probs[label]·exp(log_mass))`` and
+    ``logits.argmax(-1)`` (no gradients)."""
     return _SoftTargetTerms.apply(logits, probs, label, weight, log_mass)
 
 
@@ -179,16 +183,16 @@ def ttt_unroll(
             hidden, logits = draft(step_ids, step_pos, attend, aux_hidden=aux.flatten(0, 1)[plan.real][None],
                                    queries=plan.queries0, logit_rows=plan.here[0])
         else:
-            hidden, logits = draft(step_ids, step_pos, attend, hidden=hidden.index_select(1, plan.carry[k]),
+            hidden, logits = draft(step_ids, step_pos, attend, hidden=take_rows(hidden, 1, plan.carry[k]),
                                    logit_rows=plan.here[k])
 
         flat, label = plan.flat[k], plan.label[k]  # positions t with a step-k target; teacher index t+k
-        logits = logits[0]
+        logits = logits.squeeze(0)  # a view both ways (indexing [0] would copy into zeros in backward)
         with record_function("eagle3.loss_terms"):
             pm = teacher.in_draft[label]
-            loss, overlap = soft_target_terms(logits, teacher.probs, label, pm.float(), teacher.log_mass[label])
+            loss, overlap, argmax = soft_target_terms(logits, teacher.probs, label, pm.float(), teacher.log_mass[label])
             with torch.no_grad():
-                correct = target_ids[logits.argmax(dim=-1)] == teacher.argmax[label]
+                correct = target_ids[argmax] == teacher.argmax[label]
                 accept = torch.where(pm, overlap, torch.zeros_like(overlap))
             steps.append(
                 StepTerms(
