@@ -325,8 +325,9 @@ def _device_ms(event, steps: int = 2) -> float:
 
 def profile_step(args, loop, batch, key: str) -> None:
     """Where one step's time goes: forward / backward / optimizer medians by CUDA events, then a
-    torch.profiler table of 2 steps (top kernels and ops by device time) in DIR/profile_<key>.txt and
-    their timeline in DIR/trace_<key>.json.gz."""
+    torch.profiler table of 2 steps (top kernels and ops by device time) in DIR/profile_<key>.txt,
+    their kernels by the op that launched them in DIR/kernels_<key>.txt (:func:`kernels_by_origin`)
+    and their timeline in DIR/trace_<key>.json.gz."""
     from torch.profiler import ProfilerActivity, profile
 
     parts = {"forward": [], "backward": [], "optimizer": []}
@@ -380,6 +381,7 @@ def profile_step(args, loop, batch, key: str) -> None:
         prof.export_chrome_trace(str(trace))
         for name, ms in device_idle(trace, steps=2).items():
             report(f"{key}_idle_{name}_ms", ms)
+        (Path(args.out) / f"kernels_{key}.txt").write_text(kernels_table(kernels_by_origin(trace, steps=2)))
     print("\n".join(line[:160] for line in table.splitlines()[:24]), flush=True)
 
 
@@ -412,6 +414,68 @@ def device_idle(trace: Path, steps: int) -> dict[str, float]:
                 name = min(inner, key=lambda s: s[1] - s[0])[2].split(".", 1)[1]
                 idle[name] = idle.get(name, 0.0) + z - a
     return {k: v / 1e3 / steps for k, v in idle.items()}
+
+
+_ORIGINS = ("autograd::engine::evaluate_function: ", "bench.", "eagle3.", "FSDP::", "Optimizer.")
+
+
+def kernels_by_origin(trace: Path, steps: int) -> list[tuple[float, float, str, str, str]]:
+    """Device time per step of a profiler timeline's kernels (copies and memsets too), grouped by
+    what launched them: the host op around the launch (innermost ``cpu_op``) with its input shapes,
+    and the two innermost named ranges around it (forward stage, autograd node, FSDP, optimizer).
+    Rows ``(ms, kernels, where, op, input dims)`` per step, largest first: where a phase's
+    kernel time goes by source line, e.g. the gradient adds of one weight or one ``index_add``."""
+    import gzip
+
+    events = [e for e in json.loads(gzip.open(trace).read())["traceEvents"] if e.get("ph", "X") == "X" and "dur" in e]
+    work = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "correlation" in e.get("args", {}):
+            work.setdefault(e["args"]["correlation"], []).append(e["dur"])
+    by_tid: dict = {}
+    for e in events:
+        cat = e.get("cat")
+        if cat in ("cpu_op", "user_annotation"):
+            by_tid.setdefault(e["tid"], []).append((e["ts"], 0, e))
+        elif cat in ("cuda_runtime", "cuda_driver") and e.get("args", {}).get("correlation") in work:
+            by_tid.setdefault(e["tid"], []).append((e["ts"], 1, e))
+    groups: dict = {}
+    for items in by_tid.values():
+        # one sweep per thread: host ranges nest, so the open ones at a launch form a stack
+        items.sort(key=lambda x: (x[0], x[1], -x[2]["dur"]))
+        stack: list = []
+        for ts, is_launch, e in items:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts:
+                stack.pop()
+            if not is_launch:
+                stack.append(e)
+                continue
+            ops = [s for s in stack if s.get("cat") == "cpu_op"]
+            named = [s["name"].removeprefix(_ORIGINS[0]) for s in stack if s["name"].startswith(_ORIGINS)]
+            leaf = ops[-1] if ops else None
+            key = (" > ".join(named[-2:]) or "-", leaf["name"] if leaf else "-",
+                   str(leaf.get("args", {}).get("Input Dims", "")) if leaf else "")
+            durations = work.pop(e["args"]["correlation"])
+            ms, n = groups.get(key, (0.0, 0))
+            groups[key] = (ms + sum(durations), n + len(durations))
+    if work:  # device work whose launch the trace lacks
+        groups[("-", "-", "")] = (sum(map(sum, work.values())), sum(map(len, work.values())))
+    rows = [(ms / 1e3 / steps, n / steps, *key) for key, (ms, n) in groups.items()]
+    return sorted(rows, key=lambda r: -r[0])
+
+
+def kernels_table(rows) -> str:
+    """:func:`kernels_by_origin`'s rows as text: summed over input shapes first, then each shape."""
+    summed: dict = {}
+    for ms, n, where, op, _ in rows:
+        a, b = summed.get((where, op), (0.0, 0.0))
+        summed[(where, op)] = (a + ms, b + n)
+    top = sorted(((ms, n, where, op) for (where, op), (ms, n) in summed.items()), key=lambda r: -r[0])
+    lines = ["ms/step  kernels/step  where > op (all input shapes)"]
+    lines += [f"{ms:8.3f}  {n:7.1f}  {where} > {op}" for ms, n, where, op in top[:80]]
+    lines += ["", "ms/step  kernels/step  where > op  input dims"]
+    lines += [f"{ms:8.3f}  {n:7.1f}  {where} > {op}  {dims}" for ms, n, where, op, dims in rows[:200]]
+    return "\n".join(lines) + "\n"
 
 
 def compile_seconds() -> float:

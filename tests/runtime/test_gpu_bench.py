@@ -28,6 +28,45 @@ def test_idle_gaps_count_to_the_innermost_span_around_them(tmp_path):
     assert ms == {"all": 13, "forward": 4, "attention": 1, "layer": 3, "backward": 4}
 
 
+def test_kernels_count_to_the_host_op_that_launched_them_and_its_named_ranges(tmp_path):
+    def x(cat, name, tid, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    mm_dims = [[2, 3], [3, 4]]
+    events = [
+        # thread 1: an autograd node whose two matmuls launch 7 µs, and 5 + 1 µs (a kernel and a memset)
+        x("cpu_op", "autograd::engine::evaluate_function: MmBackward0", 1, 0, 100),
+        x("cpu_op", "aten::mm", 1, 10, 20, **{"Input Dims": mm_dims}),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 15, 2, correlation=1),
+        x("cpu_op", "aten::mm", 1, 40, 20, **{"Input Dims": mm_dims}),
+        x("cuda_driver", "cuLaunchKernel", 1, 45, 2, correlation=2),
+        # thread 2: a forward stage inside a phase, one op of another shape
+        x("user_annotation", "bench.forward", 2, 0, 60),
+        x("user_annotation", "eagle3.teacher", 2, 1, 50),
+        x("cpu_op", "aten::exp_", 2, 5, 10, **{"Input Dims": [[4]]}),
+        x("cuda_runtime", "cudaLaunchKernel", 2, 6, 1, correlation=3),
+        # after the stage closed: a launch in the phase only
+        x("cpu_op", "aten::add_", 2, 55, 3, **{"Input Dims": [[4]]}),
+        x("cuda_runtime", "cudaLaunchKernel", 2, 56, 1, correlation=4),
+        # device side: work per correlation, and one kernel whose launch the trace lacks
+        x("kernel", "k1", 7, 200, 7, correlation=1), x("kernel", "k2", 7, 210, 5, correlation=2),
+        x("gpu_memset", "m", 7, 216, 1, correlation=2), x("kernel", "k3", 7, 220, 4, correlation=3),
+        x("kernel", "k4", 7, 230, 2, correlation=4), x("kernel", "k5", 7, 240, 3, correlation=99),
+    ]
+    trace = tmp_path / "trace.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    bench = load_bench("gpu_train")
+    rows = bench.kernels_by_origin(trace, steps=1)
+    got = [(round(ms * 1e3, 6), n, where, op, dims) for ms, n, where, op, dims in rows]  # back to µs
+    assert got == [
+        (13, 3, "MmBackward0", "aten::mm", str(mm_dims)),
+        (4, 1, "bench.forward > eagle3.teacher", "aten::exp_", "[[4]]"),
+        (3, 1, "-", "-", ""),
+        (2, 1, "bench.forward", "aten::add_", "[[4]]"),
+    ]
+    assert "MmBackward0 > aten::mm" in bench.kernels_table(rows).splitlines()[1]
+
+
 def test_the_documented_cpu_smoke_run_of_the_gpu_bench_trains_a_tiny_draft(tmp_path):
     cmd = [sys.executable, str(BENCH / "gpu_train.py"), "--shape", "tiny", "--device", "cpu", "--steps", "1",
            "--phases", "draft", "--draft-variants", "eager", "--draft-shapes", "1x256", "--out", str(tmp_path)]
