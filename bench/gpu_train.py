@@ -25,7 +25,8 @@ Phases (``--phases``, default all):
 
 ``--profile`` (draft phase, CUDA): per shape, forward / backward / optimizer by CUDA events, the
 forward's stages and the backward's autograd nodes by device time, the device's idle time by
-phase and stage (``..._idle_<phase|stage>_ms``), a profiler table and the timeline.
+phase and stage (``..._idle_<phase|stage>_ms``), a profiler table, the kernels by the op that
+launched them, and the timeline.
 
 ``--family dflash`` times the DFlash family instead (``--dflash-layers`` captured layers and draft
 layers, block ``--dflash-block``): capture without the final hidden, the DFlash objective, the
@@ -364,10 +365,10 @@ def profile_step(args, loop, batch, key: str) -> None:
                 report(f"{key}_fwd_{stage}_host_ms", e.cpu_time_total / 1e3 / 2)
             else:
                 report(f"{key}_fwd_{stage}_span_ms", _device_ms(e))
-    backward = sorted((e for e in events if e.key.startswith("autograd::engine::evaluate_function: ")),
+    backward = sorted((e for e in events if e.key.startswith(AUTOGRAD_NODE)),
                       key=lambda e: -_device_ms(e))
     for e in backward[:12]:
-        name = e.key.removeprefix("autograd::engine::evaluate_function: ")
+        name = e.key.removeprefix(AUTOGRAD_NODE)
         report(f"{key}_bwd_{name}_ms", _device_ms(e))
     table = events.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
     cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90)
@@ -379,20 +380,29 @@ def profile_step(args, loop, batch, key: str) -> None:
         # the two steps' timeline (open in https://ui.perfetto.dev): device gaps and what the host did then
         trace = Path(args.out) / f"trace_{key}.json.gz"
         prof.export_chrome_trace(str(trace))
-        for name, ms in device_idle(trace, steps=2).items():
+        timeline = trace_events(trace)
+        for name, ms in device_idle(timeline, steps=2).items():
             report(f"{key}_idle_{name}_ms", ms)
-        (Path(args.out) / f"kernels_{key}.txt").write_text(kernels_table(kernels_by_origin(trace, steps=2)))
+        (Path(args.out) / f"kernels_{key}.txt").write_text(kernels_table(kernels_by_origin(timeline, steps=2)))
     print("\n".join(line[:160] for line in table.splitlines()[:24]), flush=True)
 
 
-def device_idle(trace: Path, steps: int) -> dict[str, float]:
-    """Milliseconds per step the device sat idle (no kernel, copy or memset running) in a profiler
-    timeline: in all (first to last kernel), inside each ``bench.*`` phase's device span, and
-    inside each forward stage's span (``eagle3.*``; a gap counts to the innermost span around it).
-    Idle inside a span is the host launching that stage's work while the device waits."""
+AUTOGRAD_NODE = "autograd::engine::evaluate_function: "  # the profiler's name prefix of a backward node
+_ORIGINS = (AUTOGRAD_NODE, "bench.", "eagle3.", "FSDP::", "Optimizer.")
+
+
+def trace_events(trace: Path) -> list[dict]:
+    """The events of a profiler timeline written by ``export_chrome_trace`` (``.json.gz``)."""
     import gzip
 
-    events = json.loads(gzip.open(trace).read())["traceEvents"]
+    return json.loads(gzip.open(trace).read())["traceEvents"]
+
+
+def device_idle(events: list[dict], steps: int) -> dict[str, float]:
+    """Milliseconds per step the device sat idle (no kernel, copy or memset running) in a profiler
+    timeline's ``events`` (:func:`trace_events`): in all (first to last kernel), inside each ``bench.*`` phase's device span, and
+    inside each forward stage's span (``eagle3.*``; a gap counts to the innermost span around it).
+    Idle inside a span is the host launching that stage's work while the device waits."""
     busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
     if not busy:
@@ -416,18 +426,14 @@ def device_idle(trace: Path, steps: int) -> dict[str, float]:
     return {k: v / 1e3 / steps for k, v in idle.items()}
 
 
-_ORIGINS = ("autograd::engine::evaluate_function: ", "bench.", "eagle3.", "FSDP::", "Optimizer.")
-
-
-def kernels_by_origin(trace: Path, steps: int) -> list[tuple[float, float, str, str, str]]:
-    """Device time per step of a profiler timeline's kernels (copies and memsets too), grouped by
+def kernels_by_origin(events: list[dict], steps: int) -> list[tuple[float, float, str, str, str]]:
+    """Device time per step of a profiler timeline's kernels (copies and memsets too; ``events``:
+    :func:`trace_events`), grouped by
     what launched them: the host op around the launch (innermost ``cpu_op``) with its input shapes,
     and the two innermost named ranges around it (forward stage, autograd node, FSDP, optimizer).
     Rows ``(ms, kernels, where, op, input dims)`` per step, largest first: where a phase's
     kernel time goes by source line, e.g. the gradient adds of one weight or one ``index_add``."""
-    import gzip
-
-    events = [e for e in json.loads(gzip.open(trace).read())["traceEvents"] if e.get("ph", "X") == "X" and "dur" in e]
+    events = [e for e in events if e.get("ph", "X") == "X" and "dur" in e]
     work = {}
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "correlation" in e.get("args", {}):
@@ -451,7 +457,7 @@ def kernels_by_origin(trace: Path, steps: int) -> list[tuple[float, float, str, 
                 stack.append(e)
                 continue
             ops = [s for s in stack if s.get("cat") == "cpu_op"]
-            named = [s["name"].removeprefix(_ORIGINS[0]) for s in stack if s["name"].startswith(_ORIGINS)]
+            named = [s["name"].removeprefix(AUTOGRAD_NODE) for s in stack if s["name"].startswith(_ORIGINS)]
             leaf = ops[-1] if ops else None
             key = (" > ".join(named[-2:]) or "-", leaf["name"] if leaf else "-",
                    str(leaf.get("args", {}).get("Input Dims", "")) if leaf else "")
@@ -613,7 +619,7 @@ def parse_args(argv=None):
     p.add_argument("--dflash-mask", type=int, default=151669, help="DFlash mask token id (Qwen3's)")
     p.add_argument("--peer-teachers", default="full",
                    help="full (the peer's best: handed target logits); full,compact: also from the last hidden state")
-    p.add_argument("--profile", action="store_true", help="draft phase: split and profile each timed shape (DIR/profile_*.txt)")
+    p.add_argument("--profile", action="store_true", help="draft phase: split and profile each timed shape (DIR/profile_*.txt, kernels_*.txt, trace_*.json.gz)")
     p.add_argument("--compile-cache", default=None,
                    help="TORCHINDUCTOR_CACHE_DIR for this process (an empty one: a cold start; the product "
                         "keeps <output.dir>/compile-cache)")

@@ -23,7 +23,8 @@ def test_idle_gaps_count_to_the_innermost_span_around_them(tmp_path):
               span("bench.backward", 25, 15), {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 40}]
     trace = tmp_path / "trace.json.gz"
     trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
-    idle = load_bench("gpu_train").device_idle(trace, steps=1)
+    bench = load_bench("gpu_train")
+    idle = bench.device_idle(bench.trace_events(trace), steps=1)
     ms = {k: round(v * 1e3, 6) for k, v in idle.items()}  # back to µs
     assert ms == {"all": 13, "forward": 4, "attention": 1, "layer": 3, "backward": 4}
 
@@ -56,7 +57,7 @@ def test_kernels_count_to_the_host_op_that_launched_them_and_its_named_ranges(tm
     trace = tmp_path / "trace.json.gz"
     trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
     bench = load_bench("gpu_train")
-    rows = bench.kernels_by_origin(trace, steps=1)
+    rows = bench.kernels_by_origin(bench.trace_events(trace), steps=1)
     got = [(round(ms * 1e3, 6), n, where, op, dims) for ms, n, where, op, dims in rows]  # back to µs
     assert got == [
         (13, 3, "MmBackward0", "aten::mm", str(mm_dims)),
