@@ -22,6 +22,12 @@ With ``request.token_budget`` set, ``B`` counts packed rows, each holding severa
 samples back to back (``capture/packing.py``); otherwise one sample per row. Hidden states at
 padded positions are zero. Tensors are ordinary (not inference-mode) tensors,
 so the draft's autograd can save them.
+
+``host_masks`` (:class:`HostMasks`, or None) holds the same masks as the host laid them out, on the
+CPU: a step that plans on the host (EAGLE3's unroll) reads them there instead of copying the
+device's back, which would make the host wait for every kernel queued before it. The capture's
+own copies to the device go through pinned memory without blocking (:func:`to_device`), so the
+host can launch the next capture while the device still runs the previous step.
 """
 
 from collections.abc import Sequence
@@ -65,6 +71,26 @@ class TargetRequest:
         return [len(r) for r in self.input_ids[self.local]]
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """The CPU tensor ``t`` on ``device``. To CUDA through pinned memory and without blocking: a copy
+    from pageable memory synchronises the stream, so the host would wait for every kernel queued
+    before it (the pinned buffer is kept until the copy has run)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class HostMasks:
+    """A captured batch's masks on the CPU, as the capture laid them out (``[B,T]`` each, the device
+    fields' values): ``attention_mask`` and ``loss_mask`` long, ``seq_ids`` long or None (unpacked)."""
+
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    seq_ids: torch.Tensor | None = None
+
+
 @dataclass
 class CapturedBatch:
     """This rank's slice of one captured target batch (see the module docstring for shapes)."""
@@ -77,6 +103,7 @@ class CapturedBatch:
     position_ids: torch.Tensor | None = None
     seq_ids: torch.Tensor | None = None
     task_ids: tuple[str, ...] = ()
+    host_masks: HostMasks | None = None
 
     @property
     def batch_size(self) -> int:
@@ -90,8 +117,9 @@ class CapturedBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Real (unpadded) tokens in this batch."""
-        return int(self.attention_mask.sum())
+        """Real (unpadded) tokens in this batch (from the host's masks where the batch has them)."""
+        mask = self.attention_mask if self.host_masks is None else self.host_masks.attention_mask
+        return int(mask.sum())
 
     def feature_bytes(self) -> int:
         """Bytes held by every tensor of the batch (what staging it costs)."""
@@ -140,19 +168,17 @@ def pad_right(rows: Sequence[Sequence[int]], device: torch.device, width: int | 
     out = torch.zeros(len(rows), width, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-    return out.to(device)
+    return to_device(out, device)
 
 
 def attention_mask_for(lengths: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
-    return (torch.arange(width).unsqueeze(0) < torch.as_tensor(lengths).unsqueeze(1)).long().to(device)
+    return to_device((torch.arange(width).unsqueeze(0) < torch.as_tensor(lengths).unsqueeze(1)).long(), device)
 
 
-def local_inputs(request: TargetRequest, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``input_ids``, ``attention_mask``, ``loss_mask`` of this rank's rows, padded to their longest."""
+def local_inputs(request: TargetRequest, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HostMasks]:
+    """``input_ids``, ``attention_mask``, ``loss_mask`` of this rank's rows, padded to their longest,
+    on ``device``, and the two masks on the host."""
     rows, masks = request.input_ids[request.local], request.loss_mask[request.local]
     width = max(len(r) for r in rows)
-    return (
-        pad_right(rows, device, width),
-        attention_mask_for([len(r) for r in rows], width, device),
-        pad_right(masks, device, width),
-    )
+    host = HostMasks(attention_mask_for([len(r) for r in rows], width, "cpu"), pad_right(masks, "cpu", width))
+    return pad_right(rows, device, width), to_device(host.attention_mask, device), to_device(host.loss_mask, device), host

@@ -27,7 +27,14 @@ from functools import partial
 import torch
 
 from specforge_core.capture import varlen
-from specforge_core.capture.base import CapturedBatch, TargetRequest, attention_mask_for, local_inputs, pad_right
+from specforge_core.capture.base import (
+    CapturedBatch,
+    TargetRequest,
+    attention_mask_for,
+    local_inputs,
+    pad_right,
+    to_device,
+)
 from specforge_core.capture.packing import layout_for
 from specforge_core.capture.target_info import load_target_config, resolve_capture_layers, text_config, validate_colocated
 from specforge_core.runtime.device import resolve_dtype
@@ -124,7 +131,7 @@ class HFCaptureBackend:
             last_local = last[rows, :local_width].clone() if self.keep_last_hidden else None
         finally:
             self._grabbed.clear()
-        input_ids, attention_mask, loss_mask = local_inputs(request, self.device)
+        input_ids, attention_mask, loss_mask, host = local_inputs(request, self.device)
         padding = ~attention_mask.bool().unsqueeze(-1)
         aux_local.masked_fill_(padding, 0)
         if last_local is not None:
@@ -136,6 +143,7 @@ class HFCaptureBackend:
             aux_hidden=aux_local,
             last_hidden=last_local,
             task_ids=request.task_ids[rows],
+            host_masks=host,
         )
 
     def _capture_packed(self, request: TargetRequest) -> CapturedBatch:
@@ -147,10 +155,10 @@ class HFCaptureBackend:
         first = sum(lengths[: request.local.start or 0])
         local = slice(first, first + sum(request.local_lengths))
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), varlen.packed_call(lengths, self.device) as packed:
                 last = self._decoder(
-                    input_ids=flat_ids.to(self.device)[None], position_ids=positions.to(self.device)[None],
-                    use_cache=False, **varlen.varlen_kwargs(lengths, self.device),
+                    input_ids=to_device(flat_ids, self.device)[None], position_ids=to_device(positions, self.device)[None],
+                    use_cache=False, **packed,
                 ).last_hidden_state[0, local]
                 aux = [self._grabbed[slot][0, local] for slot in range(len(self.layer_ids))]
             # The gathers below run outside inference mode: they make the batch's own ordinary tensors.

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specforge_core.capture.base import CapturedBatch, TargetRequest
+from specforge_core.capture.base import CapturedBatch, HostMasks, TargetRequest, to_device
 from specforge_core.errors import ConfigError
 
 
@@ -92,15 +92,15 @@ class RowLayout:
         """Share of the ``rows × width`` slots that hold no token."""
         return 1 - sum(self.lengths) / (len(self.rows) * self.width)
 
-    def _row_tensor(self, values: Sequence[Sequence[int]], fill: int, device) -> torch.Tensor:
-        """``[rows, width]`` long tensor of per-sample ``values`` laid out by rows (one copy to device)."""
+    def _row_tensor(self, values: Sequence[Sequence[int]], fill: int) -> torch.Tensor:
+        """``[rows, width]`` long CPU tensor of per-sample ``values`` laid out by rows."""
         out = torch.full((len(self.rows), self.width), fill, dtype=torch.long)
         for r, row in enumerate(self.rows):
             if row:
                 out[r, : sum(self.lengths[i] for i in row)] = torch.cat(
                     [torch.as_tensor(values[i], dtype=torch.long) for i in row]
                 )
-        return out.to(device)
+        return out
 
     def flat_index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index, real)`` ``[rows, width]``: each slot's position in the flat stream of the samples
@@ -109,9 +109,9 @@ class RowLayout:
         for n in self.lengths[:-1]:
             starts.append(starts[-1] + n)
         flat = [range(s, s + n) for s, n in zip(starts, self.lengths)]
-        index = self._row_tensor(flat, 0, "cpu")
-        real = self._row_tensor([[1] * n for n in self.lengths], 0, "cpu").bool()
-        return index.to(device), real.to(device)
+        index = self._row_tensor(flat, 0)
+        real = self._row_tensor([[1] * n for n in self.lengths], 0).bool()
+        return to_device(index, device), to_device(real, device)
 
     def gather(self, parts: Sequence[torch.Tensor], index: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Flat states ``[Σℓ, H_i]`` (joined along the last dim) → fresh ``[rows, width, ΣH_i]``,
@@ -136,17 +136,20 @@ class RowLayout:
         ids, masks = request.input_ids[request.local], request.loss_mask[request.local]
         device = aux_parts[0].device
         index, real = self.flat_index(device)
+        seq = self._row_tensor([[i] * n for i, n in enumerate(self.lengths)], -1) if self.packed else None
+        host = HostMasks(self._row_tensor([[1] * n for n in self.lengths], 0), self._row_tensor(masks, 0), seq)
         batch = CapturedBatch(
-            input_ids=self._row_tensor(ids, 0, device),
-            attention_mask=real.long(),
-            loss_mask=self._row_tensor(masks, 0, device),
+            input_ids=to_device(self._row_tensor(ids, 0), device),
+            attention_mask=to_device(host.attention_mask, device),
+            loss_mask=to_device(host.loss_mask, device),
             aux_hidden=self.gather(aux_parts, index, real),
             last_hidden=None if last_flat is None else self.gather([last_flat], index, real),
             task_ids=request.task_ids[request.local],
+            host_masks=host,
         )
         if self.packed:
-            batch.position_ids = self._row_tensor([range(n) for n in self.lengths], 0, device)
-            batch.seq_ids = self._row_tensor([[i] * n for i, n in enumerate(self.lengths)], -1, device)
+            batch.position_ids = to_device(self._row_tensor([range(n) for n in self.lengths], 0), device)
+            batch.seq_ids = to_device(seq, device)
         return batch
 
 

@@ -1,7 +1,8 @@
 """Per-sample causal attention over a flat token stream, as a transformers attention implementation.
 
     install(model)                                   # once per target (the hf backend does it)
-    model.model(input_ids=ids[None], position_ids=pos[None], **varlen_kwargs(lengths, device))
+    with packed_call(lengths, device) as kwargs:
+        model.model(input_ids=ids[None], position_ids=pos[None], **kwargs)
 
 The ``hf`` backend captures a packed request as one row ``[1, Σℓ]``: every sample's tokens back
 to back, positions restarting at 0 for each. Attention must stay inside each sample without a
@@ -16,24 +17,40 @@ to every attention call) and runs:
 - elsewhere (CPU tests, fp32): a loop of causal ``scaled_dot_product_attention`` per sample.
 
 Without ``cu_seq_lens_q`` (an unpacked, padded capture) it is transformers' own ``sdpa`` path, mask
-included, so installing it changes nothing else. The mask builder returns no mask when the caller
-passes none (the packed call), so transformers never materialises the packed block mask.
+included, so installing it changes nothing else. Inside :func:`packed_call` the mask builder
+builds no mask at all, and the call passes an all-true padding mask: without one, transformers
+would look for packed samples in the positions (a device read that makes the host wait for the
+device at every capture) and build their block mask, which the varlen kernel does not need.
 """
+
+import contextvars
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+from specforge_core.capture.base import to_device
+
 NAME = "specforge_varlen"
 _registered = False
+_in_packed_call = contextvars.ContextVar("specforge_varlen_packed_call", default=False)
 
 
-def varlen_kwargs(lengths: list[int], device: torch.device) -> dict:
-    """The keywords a packed forward passes: cumulative lengths (int32) and the longest sample."""
+@contextmanager
+def packed_call(lengths: list[int], device: torch.device):
+    """The keywords of one packed forward of samples of ``lengths`` (cumulative lengths, int32;
+    the longest sample; an all-true padding mask made on the device), and no mask built while
+    the block runs."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.int32), 0)
-    cu = cu.to(device)
+    cu = to_device(cu, device)
     longest = max(lengths)
-    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    no_padding = torch.ones(1, sum(lengths), dtype=torch.bool, device=device)
+    token = _in_packed_call.set(True)
+    try:
+        yield dict(attention_mask=no_padding, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    finally:
+        _in_packed_call.reset(token)
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -65,7 +82,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 def _mask(*args, attention_mask=None, **kwargs):
     from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is None:
+    if attention_mask is None or _in_packed_call.get():
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 

@@ -20,8 +20,10 @@ What the numbers mean:
   ``captures``: target captures in the window, all ranks together (one per micro-batch per rank:
   a resumed run that re-captured skipped prompts would show more); ``capture_tokens_per_s``:
   tokens the target computed per second of capture, per rank;
-- ``bubble``: time the trainer waited for its next batch (capture, staging, peers) / window time,
-  averaged over ranks: the share of the step the draft was not training;
+- ``bubble``: host time the trainer spent in ``next()`` for its next batch (building the request,
+  launching the capture, staging, peers) / window time, averaged over ranks. On a CPU that is the
+  capture itself; on CUDA the host does not wait for the device there, so the capture's own device
+  time is in ``capture_share`` and ``bubble`` is what the host adds;
 - ``peak_mem_allocated_bytes`` / ``peak_mem_reserved_bytes`` (CUDA, since start) or
   ``peak_rss_bytes`` (CPU, since start); ``peak_staged_bytes``: the rollout stream's staged
   features; all maxima over ranks;
@@ -38,11 +40,15 @@ import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from specforge_core.run.metrics_file import METRICS_FILE, MetricsFile
 from specforge_core.runtime.distributed import Dist, all_reduce
+
+if TYPE_CHECKING:
+    from specforge_core.runtime.rollout import CaptureTime
 
 MetricsRecord = dict[str, float | int]
 Subscriber = Callable[[MetricsRecord], None]
@@ -120,6 +126,7 @@ class MetricsLogger:
         self.samples = 0
         self.wait_s = 0.0
         self.capture_s = 0.0
+        self.capture_timings = []  # CaptureTime objects, read at the flush
         self.captures = 0
         self.captured_tokens = 0
         self.steps = 0
@@ -133,13 +140,15 @@ class MetricsLogger:
         *,
         samples: int,
         wait_s: float,
-        capture_s: float,
+        capture_s: "float | CaptureTime",
         captures: int = 0,
         captured_tokens: int = 0,
         staged_bytes: int = 0,
     ) -> None:
         """One micro-batch on this rank: objective sums, samples trained, seconds waited/captured,
-        captures and the tokens they computed, the stream's peak staged bytes.
+        captures and the tokens they computed, the stream's peak staged bytes. ``capture_s`` is a
+        number or the stream's :class:`~specforge_core.runtime.rollout.CaptureTime` (device events,
+        read at the flush: reading them now would make the host wait for the capture).
 
         ``sums`` values are numbers or tensors of any shape (e.g. one entry per unrolled step),
         the same keys and shapes on every rank. Device tensors are added on the device and read
@@ -152,7 +161,10 @@ class MetricsLogger:
             self.sums[key] = self.sums[key] + value if key in self.sums else value
         self.samples += samples
         self.wait_s += wait_s
-        self.capture_s += capture_s
+        if hasattr(capture_s, "seconds"):
+            self.capture_timings.append(capture_s)
+        else:
+            self.capture_s += capture_s
         self.captures += captures
         self.captured_tokens += captured_tokens
         self.peak_staged_bytes = max(self.peak_staged_bytes, staged_bytes)
@@ -177,6 +189,7 @@ class MetricsLogger:
         """Reduce the window over ranks (collective) and publish it on rank 0 with ``extra`` (rank 0's
         figures, added as given); returns the record there."""
         elapsed = time.perf_counter() - self.window_start - self.excluded_s
+        self.capture_s += sum(t.seconds() for t in self.capture_timings)
         keys = sorted(self.sums)
         values = torch.cat([self.sums[k].reshape(-1).cpu() for k in keys]).tolist() if keys else []
         summed = all_reduce(self.d, values + [self.captures, self.captured_tokens, self.wait_s, self.capture_s])

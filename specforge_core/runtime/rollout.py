@@ -22,6 +22,11 @@ Contract:
   (``tp_size × batch_size`` rows) and each keeps a fresh copy of its rows ``[r·B, (r+1)·B)``.
   Rows are not re-sorted by length across peers: a synchronous step waits for the slowest rank,
   whose padded length is the TP-wide maximum either way.
+- **No waiting on the device.** Nothing in ``next()`` reads a device tensor back: the capture's
+  inputs go to the device without blocking, its checks read the host's copy of the masks
+  (``CapturedBatch.host_masks``) and its time is kept as device events, read when the stats are
+  (``stats``, ``last_capture``). So the host can build the next request and launch its capture
+  while the device still runs the previous step; the device runs them in order all the same.
 - **Loud failures.** A TP-wide batch shorter than ``tp_size × batch_size`` (a short tail) or a
   capture that returns other rows or lengths than requested (a partial capture) raises
   CaptureError; the stream never trains a partial batch.
@@ -75,25 +80,34 @@ class RolloutStats:
                 "padding_fraction": self.padding_fraction}
 
 
-class _CaptureTimer:
-    """Seconds one capture took. On CUDA, device events on the current stream: the host clock would
-    also count the previous step's kernels still queued when the capture starts, and the events
-    need no synchronisation beyond the one the stream's check makes anyway."""
+class CaptureTime:
+    """Seconds one capture took, read when asked (:meth:`seconds`). On CUDA, device events on the
+    current stream: the host clock would count the previous step's kernels still queued when the
+    capture starts, and reading the events right after the capture would make the host wait for
+    it. Read later (a log step, the stream's ``stats``), they have long been reached."""
 
-    def __init__(self, device):
+    def __init__(self, device, tokens: int = 0):
         self.cuda = torch.device(device).type == "cuda"
+        self.tokens = tokens  # real tokens of the TP-wide batch the target computed
+        self._seconds = None
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
         else:
             self.t0 = time.perf_counter()
 
-    def stop(self) -> float:
-        if not self.cuda:
-            return time.perf_counter() - self.t0
-        self.end.record()
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1000
+    def stop(self) -> "CaptureTime":
+        if self.cuda:
+            self.end.record()
+        else:
+            self._seconds = time.perf_counter() - self.t0
+        return self
+
+    def seconds(self) -> float:
+        if self._seconds is None:
+            self.end.synchronize()
+            self._seconds = self.start.elapsed_time(self.end) / 1000
+        return self._seconds
 
 
 class RolloutStream(Iterator[CapturedBatch]):
@@ -115,7 +129,9 @@ class RolloutStream(Iterator[CapturedBatch]):
         self.batch_size = batch_size
         self.island_batch_size = island_batch_size
         self.token_budget = token_budget
-        self.stats = RolloutStats()
+        self._stats = RolloutStats()
+        self._timings: list[CaptureTime] = []  # captures whose seconds are not in _stats yet
+        self.last_capture: CaptureTime | None = None  # the latest next()'s capture time
         self._handed_out: list[weakref.ref] = []
 
     @classmethod
@@ -143,12 +159,26 @@ class RolloutStream(Iterator[CapturedBatch]):
     def __next__(self) -> CapturedBatch:
         island_batch = next(self._batches)
         request = self._request(island_batch)
-        timer = _CaptureTimer(self.backend.device)
+        timer = CaptureTime(self.backend.device, request.num_tokens)
         batch = self.backend.capture(request)
-        seconds = timer.stop()
+        self.last_capture = timer.stop()
         self._check(batch, request, island_batch)
-        self._account(batch, request, seconds)
+        self._account(batch, request, timer)
         return batch
+
+    @property
+    def peak_staged_bytes(self) -> int:
+        """The largest captured batch handed over so far (``stats.peak_staged_bytes``, read without
+        settling the capture timings)."""
+        return self._stats.peak_staged_bytes
+
+    @property
+    def stats(self) -> RolloutStats:
+        """The counters so far (reading them settles the captures' device timings)."""
+        for timing in self._timings:
+            self._stats.capture_seconds += timing.seconds()
+        self._timings.clear()
+        return self._stats
 
     def close(self) -> None:
         """Stop: no further captures. The backend is the caller's to close."""
@@ -178,30 +208,34 @@ class RolloutStream(Iterator[CapturedBatch]):
                 )
             input_ids.append(ids)
             loss_mask.append(mask)
-        self.stats.rows_read += len(tasks)
+        self._stats.rows_read += len(tasks)
         return TargetRequest.from_rows(
             input_ids, loss_mask, island_batch.local, [t.task_id for t in tasks], token_budget=self.token_budget
         )
 
     def _check(self, batch: CapturedBatch, request: TargetRequest, island_batch: IslandBatch) -> None:
         want = request.local_lengths
+        # the host's copy of the masks where the capture kept one: reading the device's would wait for it
+        masks = batch if batch.host_masks is None else batch.host_masks
         if batch.seq_ids is None:
-            got = batch.attention_mask.sum(dim=1).tolist()
+            got = masks.attention_mask.sum(dim=1).tolist()
         else:  # packed rows: tokens of each sample, wherever they sit
-            real = batch.seq_ids[batch.seq_ids >= 0]
+            seq = batch.seq_ids if masks.seq_ids is None else masks.seq_ids
+            real = seq[seq >= 0]
             got = torch.bincount(real, minlength=len(want)).tolist() if real.numel() else []
-        if got != want or batch.aux_hidden.shape[:2] != batch.input_ids.shape:
+        shapes = _row_shapes(batch)
+        if got != want or len(set(shapes.values())) > 1:
             raise CaptureError(
                 f"partial capture at micro-step {island_batch.micro_step}: got rows of lengths {got}, "
-                f"requested {want}",
+                f"requested {want}; [B,T] of each field: {shapes}",
                 where=f"capture backend {self.backend.name!r}",
                 fix="check the target engine for dropped or truncated requests; the step is not trained",
             )
 
-    def _account(self, batch: CapturedBatch, request: TargetRequest, seconds: float) -> None:
-        s = self.stats
+    def _account(self, batch: CapturedBatch, request: TargetRequest, timing: CaptureTime) -> None:
+        s = self._stats
         s.captures += 1
-        s.capture_seconds += seconds
+        self._timings.append(timing)
         s.island_tokens += request.num_tokens
         s.local_tokens += sum(request.local_lengths)
         s.local_slots += batch.input_ids.numel()
@@ -209,3 +243,18 @@ class RolloutStream(Iterator[CapturedBatch]):
         self._handed_out = [r for r in self._handed_out if r() is not None]
         self._handed_out.append(weakref.ref(batch.aux_hidden))
         s.peak_live_batches = max(s.peak_live_batches, len(self._handed_out))
+
+
+def _row_shapes(batch: CapturedBatch) -> dict[str, tuple[int, ...]]:
+    """``[B,T]`` of every field a capture returns, the host masks' included (shapes: no device read)."""
+    shapes = {}
+    for name in ("input_ids", "attention_mask", "loss_mask", "position_ids", "seq_ids", "aux_hidden", "last_hidden"):
+        value = getattr(batch, name)
+        if value is not None:
+            shapes[name] = tuple(value.shape[:2])
+    if batch.host_masks is not None:
+        for name in ("attention_mask", "loss_mask", "seq_ids"):
+            value = getattr(batch.host_masks, name)
+            if value is not None:
+                shapes[f"host_masks.{name}"] = tuple(value.shape)
+    return shapes

@@ -333,13 +333,10 @@ class Trainer:
         return figures
 
     def _optimizer_step(self, stream: RolloutStream) -> None:
-        stats = stream.stats
         weight = torch.zeros((), dtype=torch.float64)
         for _ in range(self.accumulation_steps):
-            if self.d.device.type == "cuda":
-                # Drain the previous step's kernels so the time spent in next() is the capture's.
-                torch.cuda.synchronize(self.d.device)
-            before = (stats.capture_seconds, stats.captures, stats.island_tokens)
+            # No synchronisation here: the host launches the next capture while the device still
+            # runs this step's tail; the capture's own time is measured on the device (last_capture).
             start = time.perf_counter()
             batch = next(stream, None)
             if batch is None:
@@ -360,10 +357,10 @@ class Trainer:
                 sums,
                 samples=samples,
                 wait_s=wait_s,
-                capture_s=stats.capture_seconds - before[0],
-                captures=stats.captures - before[1],
-                captured_tokens=stats.island_tokens - before[2],
-                staged_bytes=stats.peak_staged_bytes,
+                capture_s=stream.last_capture,
+                captures=1,  # one next(), one capture (the stream's contract)
+                captured_tokens=stream.last_capture.tokens,
+                staged_bytes=stream.peak_staged_bytes,
             )
         scale = sum_loss_grad_scale(self.d, float(weight), self.accumulation_steps) if self.loss_is_sum else None
         if self.time_budget_s is None:

@@ -169,3 +169,48 @@ def test_k_layers_without_the_final_hidden_are_captured_packed_or_not(backend_na
         rows = pack.seq_ids == sample
         n = int(rows.sum())
         torch.testing.assert_close(pack.aux_hidden[rows], plain.aux_hidden[sample, :n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [None, 16], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("which", ["hf_backend", "sglang_backend"])
+def test_the_host_masks_hold_the_device_masks(which, budget, request):
+    backend = request.getfixturevalue(which)
+    req = make_request([9, 4, 13, 2], local=slice(1, 4))
+    batch = backend.capture(req if budget is None else packed(req, budget))
+    host = batch.host_masks
+    assert host is not None and host.attention_mask.device.type == "cpu"
+    assert torch.equal(host.attention_mask, batch.attention_mask.cpu())
+    assert torch.equal(host.loss_mask, batch.loss_mask.cpu())
+    if budget is None:
+        assert host.seq_ids is None and batch.seq_ids is None
+    else:
+        assert torch.equal(host.seq_ids, batch.seq_ids.cpu())
+    assert batch.num_tokens == 4 + 13 + 2
+
+
+def test_a_packed_capture_builds_no_mask_and_never_reads_its_positions(hf_backend, monkeypatch):
+    import transformers.masking_utils as masking
+
+    calls = []
+    for name in ("find_packed_sequence_indices", "sdpa_mask"):
+        real = getattr(masking, name)
+        monkeypatch.setattr(masking, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    hf_backend.capture(packed(make_request([5, 6, 3]), 16))
+    assert calls == []  # transformers' packed-sample search reads the positions back from the device
+    hf_backend.capture(make_request([5, 3]))
+    assert "sdpa_mask" in calls  # the padded capture after it still builds its mask
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (sync debug mode, FlashAttention varlen)")
+def test_a_packed_capture_never_waits_for_the_device(tiny_qwen3_dir):
+    cfg = load_config(None, [f"model.target={tiny_qwen3_dir}", "capture.device=cuda", "data.max_length=256",
+                             "model.dtype=bfloat16"])
+    backend = HFCaptureBackend.from_config(cfg, device=torch.device("cuda"))
+    request = packed(make_request([5, 6, 3]), 16)
+    backend.capture(request)  # warm-up: first calls initialise kernels and caches
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = backend.capture(request)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert batch.host_masks is not None and batch.aux_hidden.is_cuda

@@ -159,3 +159,25 @@ def test_records_after_the_resumed_step_are_discarded(tmp_path):
 def test_format_line_shows_the_objectives_simulated_acceptance_length():
     line = format_line({"step": 3, "total_steps": 9, "simulated_accept_length_with_bonus": 1.625})
     assert "accept_len=1.625" in line
+
+
+def test_capture_times_are_read_at_the_flush_not_when_added(tmp_path):
+    class Timing:  # the stream's CaptureTime: device events, read when asked
+        def __init__(self, seconds):
+            self.value, self.reads = seconds, 0
+
+        def seconds(self):
+            self.reads += 1
+            return self.value
+
+    logger = MetricsLogger(tmp_path, _one_rank(), total_steps=1, derive=derive, echo=False)
+    timings = [Timing(0.25), Timing(0.5)]
+    for timing in timings:
+        logger.add_micro_batch({"loss_sum": 1.0, "count": 1, "acc_0_num": 1, "acc_0_den": 1}, samples=1, wait_s=0.0, capture_s=timing, captures=1,
+                               captured_tokens=300)
+    assert [t.reads for t in timings] == [0, 0]
+    logger.add_step(grad_norm=0.1, lr=1.0)
+    record = logger.flush(step=1)
+    assert [t.reads for t in timings] == [1, 1]
+    assert record["capture_tokens_per_s"] == pytest.approx(600 / 0.75)
+    assert record["capture_share"] * record["step_time_s"] == pytest.approx(0.75)

@@ -6,6 +6,7 @@ import threading
 import weakref
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -271,11 +272,15 @@ def test_stats_report_the_padding_of_the_handed_out_rows(backends):
     assert stream.stats.padding_fraction == pytest.approx(1 - batch.num_tokens / slots)
 
 
-def test_a_packed_capture_that_loses_a_sample_raises(backends):
+@pytest.mark.parametrize("host_masks", [True, False], ids=["with-host-masks", "device-only"])
+def test_a_packed_capture_that_loses_a_sample_raises(backends, host_masks):
     class LosingBackend(DroppingBackend):
         def capture(self, request):
             batch = self.inner.capture(request)
             batch.seq_ids = batch.seq_ids.masked_fill(batch.seq_ids == 1, -1)
+            host = batch.host_masks
+            # a backend that keeps host masks lays them out from what it captured (the stream reads those)
+            batch.host_masks = replace(host, seq_ids=host.seq_ids.masked_fill(host.seq_ids == 1, -1)) if host_masks else None
             return batch
 
     stream = RolloutStream.from_plan(plan(), 0, make_rows(40), LosingBackend(backends[0]), token_budget=64)

@@ -30,7 +30,8 @@ def metric_sums(steps, positions: int) -> dict[str, torch.Tensor]:
         "accept_sum": stacked("accept"),
         "accept_total": stacked("in_draft"),
     }
-    sums["positions"] = torch.tensor(float(positions), dtype=torch.float64, device=sums["loss_sum"].device)
+    # a fill, not a copy of a host scalar: a copy from pageable memory would wait for the device
+    sums["positions"] = torch.full((), float(positions), dtype=torch.float64, device=sums["loss_sum"].device)
     return sums
 
 

@@ -53,16 +53,22 @@ class StepTerms:
     in_draft: torch.Tensor
 
 
-def _soft_ce_and_overlap(logits, probs, label, weight, log_mass):
-    """Per row: ``weight``·soft CE against ``probs[label]``, ``Σ_v min(q_draft, p_target)``
-    with ``p_target = probs[label]·exp(log_mass)`` (fp32 from the logits' own dtype), and the
+def _soft_ce_and_overlap(logits, teacher_logits, teacher_lse, label, weight, log_mass):
+    """Per row: ``weight``·soft CE against the teacher's softmax on row ``label``
+    (``exp(teacher_logits[label] - teacher_lse[label])``), ``Σ_v min(q_draft, p_target)`` with
+    ``p_target`` that softmax times ``exp(log_mass)`` (fp32 from the logits' own dtype), and the
     draft's argmax (compiled, one pass over the logits serves all three)."""
-    target = probs[label]
+    target = _target(teacher_logits, teacher_lse, label)
     log_q = torch.log_softmax(logits.float(), dim=-1)
     loss = -(target * log_q).sum(dim=-1)
     loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
     overlap = torch.minimum(log_q.exp(), target * log_mass.exp()[..., None]).sum(dim=-1)
     return loss, overlap, logits.argmax(dim=-1)
+
+
+def _target(teacher_logits, teacher_lse, label):
+    """The teacher's softmax on the rows ``label``."""
+    return (teacher_logits[label] - teacher_lse[label][..., None]).exp()
 
 
 def _ce_grad_from_probs(q, target, weight, grad, dtype):
@@ -71,14 +77,16 @@ def _ce_grad_from_probs(q, target, weight, grad, dtype):
     return (coef * (q * target.sum(dim=-1, keepdim=True) - target)).to(dtype)
 
 
-def _ce_grad(logits, probs, label, weight, grad):
-    return _ce_grad_from_probs(torch.softmax(logits.float(), dim=-1), probs[label], weight, grad, logits.dtype)
+def _ce_grad(logits, teacher_logits, teacher_lse, label, weight, grad):
+    target = _target(teacher_logits, teacher_lse, label)
+    return _ce_grad_from_probs(torch.softmax(logits.float(), dim=-1), target, weight, grad, logits.dtype)
 
 
 class _SoftTargetTerms(torch.autograd.Function):
     """Per row, in fp32: the soft CE ``-Σ_v target·log_softmax(logits)`` times ``weight`` (with a
     gradient to ``logits``), the overlap ``Σ_v min(q_draft, p_target)`` (none) and the draft's
-    argmax (none), where ``target = probs[label]`` (the teacher rows of this step's positions).
+    argmax (none), where ``target`` is the teacher's softmax on rows ``label`` (the teacher rows of
+    this step's positions), made from its draft-vocab logits and their logsumexp as it is read.
 
     On CUDA: compiled kernels that gather the teacher rows as they read them; saves the logits in
     their own dtype and recomputes the softmax in backward (half the activation memory per step in
@@ -87,14 +95,15 @@ class _SoftTargetTerms(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, probs, label, weight, log_mass):
+    def forward(ctx, logits, teacher_logits, teacher_lse, label, weight, log_mass):
         ctx.logits_dtype = logits.dtype
         ctx.saved_softmax = not logits.is_cuda
         if logits.is_cuda:
-            ctx.save_for_backward(logits, probs, label, weight)
-            loss, overlap, argmax = fused(_soft_ce_and_overlap, logits.device)(logits, probs, label, weight, log_mass)
+            ctx.save_for_backward(logits, teacher_logits, teacher_lse, label, weight)
+            loss, overlap, argmax = fused(_soft_ce_and_overlap, logits.device)(
+                logits, teacher_logits, teacher_lse, label, weight, log_mass)
         else:
-            target = probs[label]
+            target = _target(teacher_logits, teacher_lse, label)
             log_q = torch.log_softmax(logits.float(), dim=-1)
             loss = -(target * log_q).sum(dim=-1)
             loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
@@ -108,19 +117,22 @@ class _SoftTargetTerms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _overlap, _argmax):
         if not ctx.saved_softmax:
-            logits, probs, label, weight = ctx.saved_tensors
-            return fused(_ce_grad, logits.device)(logits, probs, label, weight, grad), None, None, None, None
+            logits, teacher_logits, teacher_lse, label, weight = ctx.saved_tensors
+            return (fused(_ce_grad, logits.device)(logits, teacher_logits, teacher_lse, label, weight, grad),
+                    None, None, None, None, None)
         q, target, weight = ctx.saved_tensors
-        return _ce_grad_from_probs(q, target, weight, grad, ctx.logits_dtype), None, None, None, None
+        return _ce_grad_from_probs(q, target, weight, grad, ctx.logits_dtype), None, None, None, None, None
 
 
 def soft_target_terms(
-    logits: torch.Tensor, probs: torch.Tensor, label: torch.Tensor, weight: torch.Tensor, log_mass: torch.Tensor
+    logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, label: torch.Tensor,
+    weight: torch.Tensor, log_mass: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row-wise weighted soft cross-entropy against ``probs[label]`` (fp32, gradient to ``logits``
-    only), the overlap ``Σ_v min(softmax(logits), probs[label]·exp(log_mass))`` and
+    """Row-wise weighted soft cross-entropy against ``p = softmax(teacher_logits)[label]`` (given as
+    the teacher's draft-vocab logits and their logsumexp ``teacher_lse``; fp32, gradient to
+    ``logits`` only), the overlap ``Σ_v min(softmax(logits), p·exp(log_mass))`` and
     ``logits.argmax(-1)`` (no gradients)."""
-    return _SoftTargetTerms.apply(logits, probs, label, weight, log_mass)
+    return _SoftTargetTerms.apply(logits, teacher_logits, teacher_lse, label, weight, log_mass)
 
 
 def noisy_features(aux: torch.Tensor, layers: int, scale: float) -> torch.Tensor:
@@ -153,7 +165,7 @@ def ttt_unroll(
         aux = noisy_features(aux, aux.shape[-1] // last.shape[-1], feature_noise)
     # record_function ranges name the stages in a torch.profiler trace (bench/gpu_train.py --profile)
     with record_function("eagle3.plan"):
-        plan = UnrollPlan.build(attn, lm, seq, ttt_length, device=ids.device)
+        plan = UnrollPlan.build(attn, lm, seq, ttt_length, device=ids.device, host=_host_masks(batch, b, t))
     with record_function("eagle3.teacher"):
         teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
                                   vocab_chunk=vocab_chunk)
@@ -190,7 +202,8 @@ def ttt_unroll(
         logits = logits.squeeze(0)  # a view both ways (indexing [0] would copy into zeros in backward)
         with record_function("eagle3.loss_terms"):
             pm = teacher.in_draft[label]
-            loss, overlap, argmax = soft_target_terms(logits, teacher.probs, label, pm.float(), teacher.log_mass[label])
+            loss, overlap, argmax = soft_target_terms(logits, teacher.logits, teacher.lse, label, pm.float(),
+                                                      teacher.log_mass[label])
             with torch.no_grad():
                 correct = target_ids[argmax] == teacher.argmax[label]
                 accept = torch.where(pm, overlap, torch.zeros_like(overlap))
@@ -222,9 +235,12 @@ class UnrollPlan:
     - ``same[k]`` (k ≥ 1): for each step j = 1..k, ``rows[k]``'s indices among ``rows[j]`` (where
       the keys step j made at the queries' own positions are; ``[]`` at step 0).
 
-    Built on the host from one device-to-host copy of the three masks and sent back in one copy:
-    the sizes are data-dependent, and working them out on the device would make the host wait
-    for it at every step.
+    Built on the host and sent to the device in one copy: the sizes are data-dependent, and
+    working them out on the device would make the host wait for it at every step. Its input is
+    the batch's host masks where the capture kept them (``host``: CPU ``attention_mask``,
+    ``loss_mask`` and ``seq_ids``, as ``capture.base.HostMasks`` holds them), so the host need not
+    wait at all and can build the plan while the device still runs the previous step; otherwise
+    one device-to-host copy of the three masks (which waits for the device).
     """
 
     valid: torch.Tensor
@@ -239,9 +255,13 @@ class UnrollPlan:
     same: list
 
     @classmethod
-    def build(cls, attn, lm, seq, ttt_length: int, *, device) -> "UnrollPlan":
+    def build(cls, attn, lm, seq, ttt_length: int, *, device, host=None) -> "UnrollPlan":
         b, t = attn.shape
-        host = torch.stack([attn.long(), lm.long(), seq.long()]).cpu().numpy()
+        if host is None:
+            host = torch.stack([attn.long(), lm.long(), seq.long()]).cpu().numpy()
+        else:
+            seq_h = torch.zeros(b, t, dtype=torch.long) if host.seq_ids is None else host.seq_ids.long()
+            host = torch.stack([host.attention_mask.long(), host.loss_mask.long(), seq_h]).numpy()
         # numpy: a few hundred index operations on arrays of B·T elements; as torch CPU ops their
         # dispatch alone cost 12-70 ms of host time per step, all of it with the device idle
         valid = _valid_masks(host[0] != 0, host[1] != 0, host[2], ttt_length)
@@ -355,6 +375,22 @@ def eagle3_loss(
 
 def _field(batch, name):
     return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
+
+
+def _host_masks(batch, b: int, t: int):
+    """The batch's host masks (None where it has none), checked against its ``[B,T]``."""
+    host = _field(batch, "host_masks")
+    if host is None:
+        return None
+    for name in ("attention_mask", "loss_mask", "seq_ids"):
+        value = getattr(host, name)
+        if value is not None and (value.device.type != "cpu" or tuple(value.shape) != (b, t)):
+            raise ModelError(
+                f"host_masks.{name} is {tuple(value.shape)} on {value.device}, expected {(b, t)} on the CPU",
+                where=f"captured batch: host_masks.{name}",
+                fix="give the host masks as the capture laid them out (CPU, the batch's [B,T]), or none",
+            )
+    return host
 
 
 def _read_batch(batch, lm_head_weight):

@@ -6,8 +6,10 @@ Target logits are ``last_hidden @ W^T`` (the post-final-norm hidden times the fr
 computed like the target computes them (in the head's dtype) and then read in fp32 (reference
 §2.2, §16.6). We stream over chunks of the vocabulary (and of the tokens) and keep only:
 
-- ``probs``: softmax over the Vd draft-vocab logits (ascending target id = draft id order),
-  the soft target of the cross-entropy;
+- ``logits`` and ``lse``: the Vd draft-vocab logits (ascending target id = draft id order) and
+  their logsumexp; ``probs = exp(logits - lse)``, their softmax, is the soft target of the
+  cross-entropy, computed where it is read (the loss's compiled pass over each step's rows), so
+  the teacher makes no normalising pass over its ``[N, Vd]`` block;
 - ``log_mass``: log of the target's full-vocab probability mass on the draft vocab, so that the
   un-renormalised target probabilities of draft tokens are ``probs * exp(log_mass)``;
 - ``argmax``: the full-vocab target argmax (first index on ties, as ``torch.argmax``);
@@ -31,10 +33,16 @@ CPU_VOCAB_CHUNK = 4096
 class Teacher:
     """Teacher quantities per position, shapes ``[..., Vd]`` / ``[...]`` (leading dims of the input)."""
 
-    probs: torch.Tensor
+    logits: torch.Tensor
+    lse: torch.Tensor
     log_mass: torch.Tensor
     argmax: torch.Tensor
     in_draft: torch.Tensor
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """The soft target: softmax over the draft-vocab logits (a new tensor each call)."""
+        return (self.logits - self.lse.unsqueeze(-1)).exp()
 
     def target_probs(self) -> torch.Tensor:
         """Un-renormalised target probabilities of the draft tokens ``exp(z_d - logsumexp_V z)``."""
@@ -42,12 +50,20 @@ class Teacher:
 
 
 def _chunk_stats(logits: torch.Tensor, cols: torch.Tensor):
-    """Of one vocab chunk's logits ``[n, C]`` read in fp32: the draft columns ``cols``, the max
-    and its first index, and the logsumexp."""
+    """Of one vocab chunk's logits ``[n, C]`` read in fp32: the draft columns ``cols`` and their
+    logsumexp, the max and its first index, and the logsumexp of all ``C`` (``cols`` not empty)."""
     z = logits.float()
     top, arg = z.max(dim=-1)
     lse = (z - top[:, None]).exp().sum(dim=-1).log() + top
-    return z[:, cols], top, arg, lse
+    picked = z[:, cols]
+    return picked, torch.logsumexp(picked, dim=-1), top, arg, lse
+
+
+def _chunk_stats_no_draft(logits: torch.Tensor):
+    """:func:`_chunk_stats` of a chunk without draft columns: the max, its first index, the logsumexp."""
+    z = logits.float()
+    top, arg = z.max(dim=-1)
+    return top, arg, (z - top[:, None]).exp().sum(dim=-1).log() + top
 
 
 def _vocab_chunks(t2d: torch.Tensor, vocab: int, vocab_chunk: int):
@@ -89,21 +105,27 @@ def compute_teacher(
     draft_ids, starts, bounds = _vocab_chunks(t2d, vocab, vocab_chunk)
 
     device = hidden.device
+    cuda = device.type == "cuda"
     draft_logits = torch.empty(n, draft_ids.numel(), dtype=torch.float32, device=device)
     lse = torch.empty(n, dtype=torch.float32, device=device)
+    draft_lse = torch.empty(n, dtype=torch.float32, device=device)
     argmax = torch.empty(n, dtype=torch.long, device=device)
     for t0 in range(0, n, token_chunk):
         h = hidden[t0 : t0 + token_chunk]
         run_lse = torch.full((h.shape[0],), float("-inf"), dtype=torch.float32, device=device)
+        run_draft_lse = torch.full_like(run_lse, float("-inf"))
         run_max = torch.full_like(run_lse, float("-inf"))
         run_arg = torch.zeros(h.shape[0], dtype=torch.long, device=device)
         for c, v0 in enumerate(starts):
             logits = h @ lm_head_weight[v0 : v0 + vocab_chunk].T
             lo, hi = bounds[c], bounds[c + 1]
-            if device.type == "cuda":  # one compiled pass over the chunk, in the head's dtype
-                picked, chunk_max, chunk_arg, chunk_lse = fused(_chunk_stats, device)(logits, draft_ids[lo:hi] - v0)
-                if hi > lo:
-                    draft_logits[t0 : t0 + h.shape[0], lo:hi] = picked
+            if cuda and hi > lo:  # one compiled pass over the chunk, in the head's dtype
+                picked, chunk_draft_lse, chunk_max, chunk_arg, chunk_lse = fused(_chunk_stats, device)(
+                    logits, draft_ids[lo:hi] - v0)
+                draft_logits[t0 : t0 + h.shape[0], lo:hi] = picked
+                run_draft_lse = torch.logaddexp(run_draft_lse, chunk_draft_lse)
+            elif cuda:
+                chunk_max, chunk_arg, chunk_lse = fused(_chunk_stats_no_draft, device)(logits)
             else:
                 logits = logits.float()
                 if hi > lo:
@@ -116,12 +138,14 @@ def compute_teacher(
             run_max = torch.where(better, chunk_max, run_max)
             run_arg = torch.where(better, chunk_arg + v0, run_arg)
         lse[t0 : t0 + h.shape[0]] = run_lse
+        draft_lse[t0 : t0 + h.shape[0]] = run_draft_lse
         argmax[t0 : t0 + h.shape[0]] = run_arg
 
-    draft_lse = torch.logsumexp(draft_logits, dim=-1)
-    probs = draft_logits.sub_(draft_lse[:, None]).exp_()  # softmax in place: one [N, Vd] buffer
+    if not cuda:  # on CUDA each chunk's pass gave its part
+        draft_lse = torch.logsumexp(draft_logits, dim=-1)
     return Teacher(
-        probs=probs.reshape(*lead, draft_ids.numel()),
+        logits=draft_logits.reshape(*lead, draft_ids.numel()),
+        lse=draft_lse.reshape(lead),
         log_mass=(draft_lse - lse).reshape(lead),
         argmax=argmax.reshape(lead),
         in_draft=t2d[argmax].reshape(lead),

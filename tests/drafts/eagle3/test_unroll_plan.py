@@ -1,9 +1,12 @@
 """``UnrollPlan``: every index of the unroll, worked out on the host, equals its definition
 (module doc of drafts/eagle3/objective.py) on packed, padded rows."""
 
+import pytest
 import torch
 
-from specforge_core.drafts.eagle3.objective import UnrollPlan
+from specforge_core.capture.base import HostMasks
+from specforge_core.drafts.eagle3.objective import UnrollPlan, _host_masks
+from specforge_core.errors import ModelError
 
 
 def _packed_masks(seed=0, b=3, t=17):
@@ -49,3 +52,36 @@ def test_the_plan_of_a_packed_padded_batch_equals_the_definitions():
         for j, at in enumerate(plan.same[k], start=1):
             assert plan.rows[j][at].tolist() == want
         previous = rows
+
+
+def _fields(plan):
+    out = {}
+    for name, value in vars(plan).items():
+        items = value if isinstance(value, list) else [value]
+        flat = [x for item in items for x in (item if isinstance(item, list) else [item])]
+        out[name] = [None if x is None else x.tolist() for x in flat]
+    return out
+
+
+def test_the_plan_reads_the_host_masks_and_never_the_devices():
+    attn, lm, seq = _packed_masks(seed=3)
+    want = UnrollPlan.build(attn, lm, seq, 5, device="cpu")
+    # the "device" masks on the meta device: any read of their values would raise
+    meta = [x.to("meta") for x in (attn, lm, seq)]
+    got = UnrollPlan.build(*meta, 5, device="cpu", host=HostMasks(attn, lm, seq))
+    assert _fields(got) == _fields(want)
+
+
+def test_unpacked_host_masks_plan_as_one_sample_per_row():
+    attn, lm, _ = _packed_masks(seed=4)
+    zeros = torch.zeros_like(attn)
+    want = UnrollPlan.build(attn, lm, zeros, 4, device="cpu")
+    got = UnrollPlan.build(*(x.to("meta") for x in (attn, lm, zeros)), 4, device="cpu", host=HostMasks(attn, lm))
+    assert _fields(got) == _fields(want)
+
+
+def test_host_masks_of_another_shape_are_refused_naming_the_field():
+    attn, lm, seq = _packed_masks()
+    batch = {"host_masks": HostMasks(attn, lm[:, :-1], seq)}
+    with pytest.raises(ModelError, match=r"host_masks.loss_mask is \(3, 16\) on cpu, expected \(3, 17\)"):
+        _host_masks(batch, *attn.shape)
