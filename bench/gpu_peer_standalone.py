@@ -10,8 +10,10 @@ modules with ``bench/gpu_reference.py`` (EAGLE3: SpecForge's ``LlamaForCausalLME
 ``OnlineDFlashModel``) but imports nothing of ``specforge_core``, builds no target and leaves the
 allocator as the environment says. ``bench/gpu_train.py``'s peer phase runs this script in a
 process of its own with the allocator at its default: measured 2026-12-01, expandable segments
-(the bench's own setting) cost the peer 19-20 % (its step empties the CUDA cache every forward). Per shape: ``--warmup`` steps, then ``--iters`` steps each timed by CUDA events;
-prints median and mean tokens/s as ``key=value`` lines and a ``RESULT {json}`` line.
+(the bench's own setting) cost the peer 19-20 % (its step empties the CUDA cache every forward). Per shape: ``--warmup`` steps, then ``--iters`` steps each timed by CUDA events
+(median and mean), then ``--iters`` steps back to back with one synchronisation after them (as a
+training loop runs them); prints the three tokens/s as ``key=value`` lines and a ``RESULT {json}``
+line.
 
 ``--teacher compact`` times SpecForge's offline teacher instead (built per vocab chunk from the last
 hidden state rather than read from full-vocab logits).
@@ -22,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -74,11 +77,18 @@ def main(argv=None) -> int:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):  # back to back, as a training loop runs them
+            step()
+        torch.cuda.synchronize()
         key = f"standalone_{b}x{t}"
         out[f"{key}_tokens_per_s_median"] = round(b * t / statistics.median(times), 1)
         out[f"{key}_tokens_per_s_mean"] = round(b * t / statistics.mean(times), 1)
+        out[f"{key}_tokens_per_s_back_to_back"] = round(b * t * args.iters / (time.perf_counter() - t0), 1)
         out[f"{key}_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        for k in (f"{key}_tokens_per_s_median", f"{key}_tokens_per_s_mean", f"{key}_peak_gib"):
+        for k in (f"{key}_tokens_per_s_median", f"{key}_tokens_per_s_mean", f"{key}_tokens_per_s_back_to_back",
+                  f"{key}_peak_gib"):
             print(f"{k}={out[k]}", flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile

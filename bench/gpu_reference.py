@@ -91,6 +91,20 @@ def timed(fn, *, warmup: int = 2, iters: int = 5) -> float:
     return times[len(times) // 2]
 
 
+def timed_back_to_back(fn, *, warmup: int = 1, iters: int = 5) -> float:
+    """Seconds per ``fn()`` over ``iters`` runs launched back to back, one synchronisation after
+    all of them: as a training loop runs its steps (the host may launch the next while the device
+    finishes the last)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
 def matmul_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
