@@ -102,16 +102,15 @@ class RowLayout:
                 )
         return out
 
-    def flat_index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(index, real)`` ``[rows, width]``: each slot's position in the flat stream of the samples
-        (sample 0's tokens, then sample 1's, ...), and whether the slot holds a token (index 0 if not)."""
+    def flat_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index, real)`` ``[rows, width]`` long CPU tensors: each slot's position in the flat
+        stream of the samples (sample 0's tokens, then sample 1's, ...; 0 if the slot holds none),
+        and whether it holds a token (1/0: the rows' attention mask)."""
         starts = [0]
         for n in self.lengths[:-1]:
             starts.append(starts[-1] + n)
         flat = [range(s, s + n) for s, n in zip(starts, self.lengths)]
-        index = self._row_tensor(flat, 0)
-        real = self._row_tensor([[1] * n for n in self.lengths], 0).bool()
-        return to_device(index, device), to_device(real, device)
+        return self._row_tensor(flat, 0), self._row_tensor([[1] * n for n in self.lengths], 0)
 
     def gather(self, parts: Sequence[torch.Tensor], index: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Flat states ``[Σℓ, H_i]`` (joined along the last dim) → fresh ``[rows, width, ΣH_i]``,
@@ -135,12 +134,14 @@ class RowLayout:
         """
         ids, masks = request.input_ids[request.local], request.loss_mask[request.local]
         device = aux_parts[0].device
-        index, real = self.flat_index(device)
+        index, attention = self.flat_index()
         seq = self._row_tensor([[i] * n for i, n in enumerate(self.lengths)], -1) if self.packed else None
-        host = HostMasks(self._row_tensor([[1] * n for n in self.lengths], 0), self._row_tensor(masks, 0), seq)
+        host = HostMasks(attention, self._row_tensor(masks, 0), seq)
+        index, attention = to_device(index, device), to_device(attention, device)
+        real = attention.bool()
         batch = CapturedBatch(
             input_ids=to_device(self._row_tensor(ids, 0), device),
-            attention_mask=to_device(host.attention_mask, device),
+            attention_mask=attention,
             loss_mask=to_device(host.loss_mask, device),
             aux_hidden=self.gather(aux_parts, index, real),
             last_hidden=None if last_flat is None else self.gather([last_flat], index, real),

@@ -31,7 +31,7 @@ from torch.profiler import record_function
 from specforge_core.drafts.eagle3.attention import TTTAttention
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
 from specforge_core.drafts.eagle3.rows import take_rows
-from specforge_core.drafts.eagle3.teacher import compute_teacher
+from specforge_core.drafts.eagle3.teacher import compute_teacher, softmax_from_lse
 from specforge_core.errors import ModelError
 from specforge_core.runtime.compile import fused
 
@@ -68,7 +68,7 @@ def _soft_ce_and_overlap(logits, teacher_logits, teacher_lse, label, weight, log
 
 def _target(teacher_logits, teacher_lse, label):
     """The teacher's softmax on the rows ``label``."""
-    return (teacher_logits[label] - teacher_lse[label][..., None]).exp()
+    return softmax_from_lse(teacher_logits[label], teacher_lse[label])
 
 
 def _ce_grad_from_probs(q, target, weight, grad, dtype):

@@ -42,21 +42,23 @@ class Teacher:
     @property
     def probs(self) -> torch.Tensor:
         """The soft target: softmax over the draft-vocab logits (a new tensor each call)."""
-        return (self.logits - self.lse.unsqueeze(-1)).exp()
+        return softmax_from_lse(self.logits, self.lse)
 
     def target_probs(self) -> torch.Tensor:
         """Un-renormalised target probabilities of the draft tokens ``exp(z_d - logsumexp_V z)``."""
         return self.probs * self.log_mass.exp().unsqueeze(-1)
 
 
+def softmax_from_lse(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits, -1)`` given their logsumexp ``lse`` (one pass, no reduction)."""
+    return (logits - lse.unsqueeze(-1)).exp()
+
+
 def _chunk_stats(logits: torch.Tensor, cols: torch.Tensor):
     """Of one vocab chunk's logits ``[n, C]`` read in fp32: the draft columns ``cols`` and their
     logsumexp, the max and its first index, and the logsumexp of all ``C`` (``cols`` not empty)."""
-    z = logits.float()
-    top, arg = z.max(dim=-1)
-    lse = (z - top[:, None]).exp().sum(dim=-1).log() + top
-    picked = z[:, cols]
-    return picked, torch.logsumexp(picked, dim=-1), top, arg, lse
+    picked = logits.float()[:, cols]
+    return picked, torch.logsumexp(picked, dim=-1), *_chunk_stats_no_draft(logits)
 
 
 def _chunk_stats_no_draft(logits: torch.Tensor):
