@@ -74,6 +74,7 @@ class DraftOptimizer:
         warmup_ratio: float,
         lr_scheduler: Literal["cosine", "constant"],
         lr_by_progress: bool = False,
+        fused: bool | None = None,
     ):
         self.root = root
         self.params = [p for p in root.parameters() if p.requires_grad]  # type: ignore[attr-defined]
@@ -81,9 +82,10 @@ class DraftOptimizer:
             raise ValueError("the module has no trainable parameters")
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
-        # fused: one kernel per parameter group on CUDA instead of a pass per AdamW term
-        fused = all(p.device.type == "cuda" for p in self.params)
-        self.optimizer = AdamW(self.params, lr=learning_rate, weight_decay=weight_decay, fused=fused or None)
+        # fused (the default on CUDA): one kernel per parameter group instead of a pass per AdamW
+        # term, and the clipping's scale is applied inside it (``step``)
+        self.fused = all(p.device.type == "cuda" for p in self.params) if fused is None else fused
+        self.optimizer = AdamW(self.params, lr=learning_rate, weight_decay=weight_decay, fused=self.fused or None)
         self.scheduler = build_scheduler(
             self.optimizer, total_steps=total_steps, warmup_ratio=warmup_ratio, kind=lr_scheduler,
             by_progress=lr_by_progress,
@@ -121,13 +123,21 @@ class DraftOptimizer:
                 f"step() after {self.micro_batches} of accumulation_steps={self.accumulation_steps} "
                 "micro-batches: only whole optimizer steps are trained"
             )
-        if grad_scale is not None:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(grad_scale)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+            norm = norm.full_tensor()  # the sum of every shard's squares: the global norm
+        if grad_scale is not None:
+            norm = norm * grad_scale
+        # clip_grad_norm_'s coefficient, kept on the device: min(1, max / (norm + 1e-6))
+        multiplier = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        if grad_scale is not None:
+            multiplier = multiplier * grad_scale
+        if self.fused:
+            # the fused kernel divides each gradient by ``grad_scale`` as it reads it: no extra pass
+            self.optimizer.grad_scale = multiplier.reciprocal()
+        else:
+            torch._foreach_mul_(grads, multiplier)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -14,17 +14,17 @@ STEPS = 4
 HYPER = dict(learning_rate=1e-2, weight_decay=0.01, max_grad_norm=0.5, warmup_ratio=0.25, lr_scheduler="cosine")
 
 
-def _build(d, accumulation, param_dtype="float32"):
+def _build(d, accumulation, param_dtype="float32", fused=None):
     torch.manual_seed(0)
     draft = TinyDraft()
     root = shard(TinyStep(draft), d, param_dtype=param_dtype)
-    opt = DraftOptimizer(root, accumulation_steps=accumulation, total_steps=STEPS, **HYPER)
+    opt = DraftOptimizer(root, accumulation_steps=accumulation, total_steps=STEPS, fused=fused, **HYPER)
     return draft, root, opt
 
 
-def _train(d, accumulation):
+def _train(d, accumulation, fused=None):
     """Each optimizer step trains global batch ``tiny_batch(step)``, split over ranks × micro-batches."""
-    draft, root, opt = _build(d, accumulation)
+    draft, root, opt = _build(d, accumulation, fused=fused)
     norms = []
     for s in range(STEPS):
         chunks = {k: v.chunk(d.world_size * accumulation) for k, v in tiny_batch(s).items()}
@@ -53,7 +53,8 @@ def _inspect_bf16(d):
 
 def _two_rank_worker(rank):
     d = init_distributed("cpu", timeout_s=30)
-    out = {"accum1": _train(d, 1), "accum2": _train(d, 2), "bf16": _inspect_bf16(d)}
+    out = {"accum1": _train(d, 1), "accum2": _train(d, 2), "fused": _train(d, 1, fused=True),
+           "bf16": _inspect_bf16(d)}
     close_distributed()
     return out
 
@@ -95,6 +96,12 @@ def test_two_ranks_train_like_one_process_on_the_whole_batch(two_ranks, referenc
 
 def test_accumulated_micro_batches_train_like_one_whole_batch(two_ranks, reference):
     _assert_same_weights(two_ranks["accum2"]["weights"], reference["weights"])
+
+
+def test_fused_adamw_applies_the_clipping_inside_its_kernel_like_clip_grad_norm(two_ranks, reference):
+    # the CUDA default: the clip coefficient goes in as the fused kernel's grad_scale, no extra pass
+    _assert_same_weights(two_ranks["fused"]["weights"], reference["weights"])
+    assert two_ranks["fused"]["norms"] == pytest.approx(reference["norms"], rel=1e-5)
 
 
 def test_grad_norm_is_the_global_norm_over_all_shards(two_ranks, reference):
