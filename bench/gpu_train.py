@@ -313,7 +313,7 @@ def count_syncs(args, key: str, fn) -> int:
     sites: list[str] = []
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        if "called a synchronizing" in str(message):  # not the one-off "prototype feature" notice
             frames = [f for f in traceback.extract_stack()[:-1] if "specforge_core" in f.filename or "/bench/" in f.filename]
             sites.append(f"  {str(message).splitlines()[0]}\n" + "".join(traceback.format_list(frames[-4:])))
 

@@ -1,0 +1,101 @@
+"""The draft's step-0 attention kernel alone: flex attention (forward + backward through its output
+and its log-sum-exp, as the TTT merge uses it) under several compile settings, beside SDPA's causal
+kernel (no log-sum-exp: a bound on what a tuned kernel could reach), on one GPU.
+
+    python3 bench/gpu_flex.py [--shapes 1x4096,4x2048] [--heads 32 --kv-heads 8 --head-dim 128]
+
+Prints one row per variant and shape: forward + backward milliseconds, TFLOP/s (causal FLOPs) and
+the ratio to the default. ``--out DIR`` writes ``DIR/flex.json``; with ``autotune`` among the
+variants inductor's autotuning table goes to stderr (what config it chose).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+VARIANTS = ("default", "autotune", "sdpa")
+
+
+def causal_mask(b, t, device):
+    seq = torch.zeros(b, t, dtype=torch.long, device=device)
+    real = torch.ones(b, t, dtype=torch.bool, device=device)
+
+    def mask_mod(bi, hi, qi, ki):  # the draft's step-0 pattern (attention.TTTAttention), dense rows
+        return (ki <= qi) & (seq[bi, ki] == seq[bi, qi]) & (real[bi, ki] | (ki == qi))
+
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=device, _compile=True)
+
+
+def make_fn(variant, b, t, heads, kv_heads, device):
+    if variant == "sdpa":
+        def run(q, k, v):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+            return out.float().sum()
+        return run
+    mode = "max-autotune-no-cudagraphs" if variant == "autotune" else None
+    flex = torch.compile(flex_attention, mode=mode)
+    mask = causal_mask(b, t, device)
+
+    def run(q, k, v):
+        out, aux = flex(q, k, v, block_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=heads != kv_heads,
+                        return_aux=AuxRequest(lse=True))
+        return out.float().sum() + aux.lse.sum()  # gradients through both, as the merge needs
+    return run
+
+
+def time_variant(fn, q, k, v, iters):
+    for _ in range(3):
+        fn(q, k, v).backward()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn(q, k, v).backward()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="1x4096,4x2048")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu_flex.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    rows = []
+    for shape in a.shapes.split(","):
+        b, t = (int(x) for x in shape.split("x"))
+        torch.manual_seed(0)
+        q = torch.randn(b, a.heads, t, a.head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(b, a.kv_heads, t, a.head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(b, a.kv_heads, t, a.head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        flops = 3.5 * 4 * b * a.heads * t * t * a.head_dim / 2  # causal: forward 1, backward 2.5
+        base = None
+        for variant in a.variants.split(","):
+            ms = time_variant(make_fn(variant, b, t, a.heads, a.kv_heads, device), q, k, v, a.iters)
+            base = ms if base is None else base
+            row = {"shape": shape, "variant": variant, "fwd_bwd_ms": round(ms, 3),
+                   "tflops": round(flops / ms / 1e9, 1), "vs_first": round(base / ms, 3)}
+            rows.append(row)
+            print(f"{shape:>8} {variant:>10} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  ×{row['vs_first']:.2f}",
+                  flush=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "flex.json"), "w") as f:
+            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
