@@ -411,4 +411,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if not code:  # finished: leave without the interpreter's teardown (runtime/distributed.py says why)
+        from specforge_core.runtime.distributed import exit_after_success
+
+        exit_after_success()
+    sys.exit(code)

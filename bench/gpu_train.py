@@ -788,3 +788,8 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    # finished: leave without the interpreter's teardown, where a gloo thread can abort the process
+    # (runtime/distributed.py says why)
+    from specforge_core.runtime.distributed import exit_after_success
+
+    exit_after_success()

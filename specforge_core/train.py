@@ -13,7 +13,9 @@ objective, trainer: ``runtime/builder.py``) → train (resume if the run has che
 the plan's horizon, save) → close. Rank 0 holds ``<output.dir>/RUN.lock`` for the whole run,
 prints ``step=i/N loss=...`` lines and writes ``metrics.jsonl``; checkpoints go to
 ``<output.dir>/checkpoints``. Exit code 2 on a configuration, data, model, resume or checkpoint
-error (the message says where and what to do).
+error (the message says where and what to do). A rank that finished (process group destroyed)
+exits 0 through ``exit_after_success`` (stdio and logging flushed, then ``os._exit``), not the
+interpreter's teardown, where torch's gloo threads can abort a finished rank (distributed.py).
 
 Without ``--plan`` or ``--manifest`` the plan is built from the config and the prompt cache and
 recorded as ``<output.dir>/plan.json`` when the run starts fresh, and ``<output.dir>/run.json``
@@ -171,4 +173,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 0:  # a finished rank leaves without the interpreter's teardown (distributed.py says why)
+        from specforge_core.runtime.distributed import exit_after_success
+
+        exit_after_success()
+    sys.exit(code)

@@ -10,12 +10,19 @@ Without those variables it makes a world of one in-process, so the same code pat
 
 The helpers below (barrier, reductions, object broadcast/gather) are the only collectives the
 trainer, checkpoints and metrics use outside FSDP; every rank must call them in the same order.
+
+``exit_after_success()`` ends a rank that finished its run (``python -m specforge_core.train``
+calls it after ``main`` returned 0): it flushes stdio and logging and leaves with ``os._exit(0)``
+instead of through the interpreter's teardown, where a gloo worker thread can still be releasing
+its last collective and abort the process (the function says how).
 """
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -90,6 +97,29 @@ def close_distributed() -> None:
     """Leave the process group (idempotent); call once at the end of the run, on every rank."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_after_success() -> NoReturn:
+    """End this process with exit code 0, skipping the interpreter's teardown (success path only).
+
+    Upstream problem (torch, believed pytorch#190489): a gloo worker thread
+    (``ProcessGroupGloo::runLoop``) drops its reference to a finished collective's work *after*
+    the waiting rank has moved on; when the work holds tensors that Python also saw (FSDP2's
+    all-gathers, ``DTensor.full_tensor``), its destructor decrefs their PyObjects and so takes
+    the GIL. If the main thread has reached ``Py_FinalizeEx`` by then, CPython (3.11 here) ends
+    the taking thread with ``pthread_exit``, whose unwind crosses the noexcept destructor:
+    ``std::terminate`` ("terminate called without an active exception"), SIGABRT, exit code
+    -6/134, though the run finished. ``destroy_process_group`` does not join those threads and a
+    barrier before it does not close the window, so a rank whose work is done (files written and
+    fsynced, process group destroyed) leaves here; a failure keeps the normal exit and its code.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced stream: nothing to flush
+            pass
+    logging.shutdown()  # flush and close every logging handler (atexit would, but it is skipped)
+    os._exit(0)
 
 
 def barrier(d: Dist) -> None:

@@ -3,7 +3,9 @@
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes with torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), calls
 ``fn(rank, *args)`` in each and returns what each returned (rank order). ``fn`` must be a
-module-level function of an importable module; results travel through ``torch.save`` files.
+module-level function of an importable module; results travel through ``torch.save`` files. A
+rank leaves with ``exit_after_success()`` once its result is saved (exit code 0, no interpreter
+teardown: see that function).
 
 ``write_draft_files`` stores a draft state the plain way (``draft.safetensors`` + a config); the
 trainer passes the export module's writer for the EAGLE3 draft.
@@ -25,6 +27,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 from torch import nn
 
+from specforge_core.runtime.distributed import exit_after_success
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -44,6 +48,10 @@ def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple)
     torch.set_num_threads(1)
     result = fn(rank, *args)
     torch.save(result, Path(out_dir) / f"result-{rank}.pt")
+    # The result is saved: leave with 0 now, not through the interpreter's teardown, where a gloo
+    # worker thread still releasing the last collective can abort the rank (SIGABRT, exit -6;
+    # exit_after_success says why). A rank that raised never gets here and keeps spawn's exit 1.
+    exit_after_success()
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specforge_core.drafts.eagle3 import eagle3_loss
+from specforge_core.runtime.distributed import exit_after_success
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
 
 
@@ -27,6 +28,9 @@ def _sharded_worker(rank, world, port, queue):
     if rank == 0:
         queue.put((loss.item(), grads))
     dist.destroy_process_group()
+    queue.close()
+    queue.join_thread()  # the result is in the pipe: exit_after_success skips the queue's own flush at exit
+    exit_after_success()  # exit 0, not an abort at teardown (a gloo thread's late release; see there)
 
 
 @pytest.mark.slow

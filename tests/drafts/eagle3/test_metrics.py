@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specforge_core.drafts.eagle3 import add_metric_sums, all_reduce_metric_sums, eagle3_loss, summarize_metrics
+from specforge_core.runtime.distributed import exit_after_success
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
 
 
@@ -54,6 +55,9 @@ def _reduce_worker(rank, world, port, queue):
     reduced = all_reduce_metric_sums(sums)
     queue.put((rank, {k: v.tolist() for k, v in reduced.items()}))
     dist.destroy_process_group()
+    queue.close()
+    queue.join_thread()  # the result is in the pipe: exit_after_success skips the queue's own flush at exit
+    exit_after_success()  # exit 0, not an abort at teardown (a gloo thread's late release; see there)
 
 
 @pytest.mark.slow
