@@ -13,22 +13,23 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # noqa: E402
+
+from specforge_core.drafts.eagle3.attention import TTTAttention  # noqa: E402
 
 VARIANTS = ("default", "autotune", "sdpa")
 
 
-def causal_mask(b, t, device):
-    seq = torch.zeros(b, t, dtype=torch.long, device=device)
-    real = torch.ones(b, t, dtype=torch.bool, device=device)
-
-    def mask_mod(bi, hi, qi, ki):  # the draft's step-0 pattern (attention.TTTAttention), dense rows
-        return (ki <= qi) & (seq[bi, ki] == seq[bi, qi]) & (real[bi, ki] | (ki == qi))
-
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=device, _compile=True)
+def step_zero_mask(b, t, device):
+    """The block mask the draft's attention builds for dense rows (one sample per row, all real)."""
+    ones = torch.ones(b, t, dtype=torch.long, device=device)
+    return TTTAttention(ones, torch.zeros_like(ones), "flex").block_mask
 
 
 def make_fn(variant, b, t, heads, kv_heads, device):
@@ -39,7 +40,7 @@ def make_fn(variant, b, t, heads, kv_heads, device):
         return run
     mode = "max-autotune-no-cudagraphs" if variant == "autotune" else None
     flex = torch.compile(flex_attention, mode=mode)
-    mask = causal_mask(b, t, device)
+    mask = step_zero_mask(b, t, device)
 
     def run(q, k, v):
         out, aux = flex(q, k, v, block_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=heads != kv_heads,

@@ -59,7 +59,8 @@ class DraftOptimizer:
     is divided by ``accumulation_steps`` so a window's gradient is the mean over its micro-batches.
     ``optimizer`` and ``scheduler`` are public for checkpointing. The schedule runs over
     ``total_steps``, or with ``lr_by_progress`` over the progress given by :meth:`set_progress`
-    (a time budget: ``runtime/schedule.py``).
+    (a time budget: ``runtime/schedule.py``). ``fused`` (default: when every parameter is on
+    CUDA) picks the fused AdamW, which also applies the clipping inside its kernel.
     """
 
     def __init__(
