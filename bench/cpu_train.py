@@ -245,11 +245,11 @@ class PeerStep:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def run_config(args):
+def run_config(args, attention: str = "sdpa"):
     """The run config these steps train under (the fields the builder reads)."""
     return load_config(None, [
         f"training.seed=0", f"training.ttt_length={args.ttt}", f"capture.teacher_chunk_size={args.vocab_chunk}",
-        f"draft.draft_vocab_size={args.vd}", "draft.attention_backend=sdpa", "training.learning_rate=3e-4",
+        f"draft.draft_vocab_size={args.vd}", f"draft.attention_backend={attention}", "training.learning_rate=3e-4",
         "training.warmup_ratio=0.02", "training.max_grad_norm=0.5",
     ])
 
@@ -257,12 +257,14 @@ def run_config(args):
 def build_variant(name: str, target_config, backend, d, args, clock: Clock):
     """A fresh draft (same seed every variant), built by the same builder ``python -m
     specforge_core.train`` uses, behind the trainer's root and optimizer (``fsdp``) or unsharded;
-    or the peer's (``specforge``)."""
+    or the peer's (``specforge``). ``fsdp-flash``, ``plain-flex``, ...: with that attention
+    backend (sdpa, the CPU's default, otherwise)."""
     if name == "specforge":
         peer = PeerStep(backend, args)
         clock.reset_step = lambda: None
         return peer, peer
-    cfg = run_config(args)
+    name, _, attention = name.partition("-")
+    cfg = run_config(args, attention or "sdpa")
     family = get_family("eagle3")
     d2t, t2d = random_vocab_map(target_config.vocab_size, args.vd, seed=1)
     draft = build_draft(cfg, family, backend, VocabMap(key="random", path=Path("random"), d2t=d2t, t2d=t2d,
@@ -324,7 +326,8 @@ def breakdown(totals: dict, steps: int, wall: float) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="measured steps per variant (after 1 warm-up)")
-    ap.add_argument("--variants", default="fsdp", help="comma list of fsdp, plain, specforge (the peer)")
+    ap.add_argument("--variants", default="fsdp",
+                    help="comma list of fsdp, plain, specforge (the peer); fsdp-flash, ...: another attention backend")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--max-length", type=int, default=384)
     ap.add_argument("--lengths", default="110:300", help="LO:HI real row lengths (reference mean 206)")

@@ -178,8 +178,9 @@ class DraftConfig(_Section):
         "random", description="EAGLE3's lm_head at a fresh start: random (normal, as SpecForge) or target "
         "(the target's lm_head rows of the draft vocabulary, then trained). Ignored by a warm start or a resume."
     )
-    attention_backend: Literal["auto", "sdpa", "flex"] = Field(
-        "auto", description="auto = flex attention on CUDA, sdpa on CPU."
+    attention_backend: Literal["auto", "sdpa", "flex", "flash"] = Field(
+        "auto", description="auto = flash (FlashAttention kernels) on CUDA in bf16/fp16, flex in fp32, sdpa on CPU "
+        "(DFlash drafts: auto, sdpa or flex)."
     )
 
 

@@ -7,7 +7,8 @@
     with compile_cache(run_dir / "compile-cache"): ...   # train.py: a resumed run reuses the graphs
 
 Two kinds of code are compiled, both only with ``training.compile`` on CUDA (the draft builder
-calls :func:`use_fused`; flex attention is compiled always, it has no fast eager path):
+calls :func:`use_fused`; flex attention, the EAGLE3 draft's attention in fp32 and DFlash's, is
+compiled always, it has no fast eager path):
 
 - every ``*RMSNorm`` (fp32 cast, variance, rsqrt, scale) and ``*MLP`` (SiLU × up) module: several
   passes over the activations in eager mode, one fused kernel around the matmuls compiled; the
@@ -18,8 +19,8 @@ calls :func:`use_fused`; flex attention is compiled always, it has no fast eager
   backward), the teacher's per-chunk statistics and the same-position merge, a few fp32
   element-wise operations each that read their inputs once and gather as they read.
 
-Without ``training.compile`` a run compiles nothing but flex attention and reaches its first step
-in about 24 s at Qwen3-8B shape; with it the run trains ≈ 28 % more tokens/s after a compile of
+Without ``training.compile`` a run compiles nothing but flex attention where it uses it, and
+reached its first step in about 24 s at Qwen3-8B shape (measured on flex); with it the run trains ≈ 28 % more tokens/s after a compile of
 3–4 minutes, cached in the run directory. Figures: docs/performance.md, "GPU".
 """
 

@@ -14,7 +14,7 @@ step k-1's, and the queries of step 0 may be a subset of its keys' rows.
 ``TTTAttention(attention_mask, seq_ids, backend)(q, q_rows, keys, values, key_rows)`` takes the
 queries of the current step and the keys/values of steps 0..k on their rows.
 
-Two backends, same numbers:
+Three backends, same numbers:
 
 - ``sdpa`` (CPU and GPU): explicit fp32 scores of each sample's queries against that sample's
   step-0 keys only (a loop over samples: no padding, no cross-sample blocks), their log-sum-exp,
@@ -22,24 +22,40 @@ Two backends, same numbers:
 - ``flex`` (GPU): the rows are laid out on the padded ``[B, T]`` grid and
   ``torch.nn.attention.flex_attention`` (compiled) runs over the step-0 block with a block mask,
   returning its log-sum-exp; then the same merge. No T² tensors.
+- ``flash`` (GPU in fp16/bf16; CPU): the step-0 block as variable-length causal attention over the
+  real rows on FlashAttention kernels, whose backward is handed the merged output so that the
+  gradient through the log-sum-exp comes for free (``flash.py``); then the same merge.
 
-On CPU, flex runs eagerly and only without gradients (torch has no CPU flex backward); ``auto``
-picks flex on CUDA and sdpa elsewhere.
+On CPU, flex runs eagerly and only without gradients (torch has no CPU flex backward). ``auto``
+picks flash on CUDA (flex where the dtype is fp32: FlashAttention has no fp32 kernel) and sdpa
+elsewhere.
 """
+
+import functools
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
+from specforge_core.drafts.eagle3.flash import MergedOutput, SampleSpans, step_zero_flash
 from specforge_core.drafts.eagle3.rows import take_rows
 from specforge_core.errors import ConfigError
 from specforge_core.runtime.compile import fused
 
-BACKENDS = ("auto", "sdpa", "flex")
+BACKENDS = ("auto", "sdpa", "flex", "flash")
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _compiled_flex = None
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto`` → ``flex`` on CUDA, ``sdpa`` elsewhere; other names are checked and returned."""
+def flash_supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether FlashAttention's CUDA kernels take queries of this dtype and head size."""
+    return dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None,
+                    head_dim: int | None = None) -> str:
+    """``auto`` → ``flash`` on CUDA (``flex`` where the queries' ``dtype`` / ``head_dim``, when
+    given, are ones FlashAttention has no kernel for: fp32), ``sdpa`` elsewhere; other names are
+    checked and returned."""
     if backend not in BACKENDS:
         raise ConfigError(
             f"unknown attention backend {backend!r}",
@@ -47,7 +63,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             fix=f"use one of {', '.join(BACKENDS)}",
         )
     if backend == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+        if torch.device(device).type != "cuda":
+            return "sdpa"
+        if dtype is not None and not flash_supports(dtype, head_dim if head_dim is not None else 128):
+            return "flex"
+        return "flash"
     return backend
 
 
@@ -77,34 +97,57 @@ class TTTAttention:
     ``attention_mask [B,T]`` (1 = real token) and ``seq_ids [B,T]`` (sample index of each
     position in a packed row; one value per unpacked row) fix the step-0 pattern. Step 0's rows
     must be exactly the real tokens ``nonzero(attention_mask.flatten())``: give them as ``real_rows``
-    where the caller has them (the unroll's plan does), so the device need not report them.
+    where the caller has them (the unroll's plan does), so the device need not report them, and
+    likewise the samples as runs of those rows (``spans``: each one's first index among them, then
+    their count, as ``UnrollPlan.spans`` has them). ``backend="auto"`` settles on flash or flex at the first
+    call, from the queries' dtype.
     """
 
     def __init__(self, attention_mask: torch.Tensor, seq_ids: torch.Tensor, backend: str = "auto", *,
-                 real_rows: torch.Tensor | None = None):
-        self.backend = resolve_backend(backend, attention_mask.device)
+                 real_rows: torch.Tensor | None = None, spans: list[int] | None = None):
+        self.requested = backend
+        self.backend = None if backend == "auto" and attention_mask.is_cuda else resolve_backend(backend, attention_mask.device)
         b, t = attention_mask.shape
         self.shape = (b, t)
-        real = attention_mask.bool()
-        flat = torch.nonzero(real.flatten()).flatten() if real_rows is None else real_rows
+        self.masks = (attention_mask.bool(), seq_ids)
+        flat = torch.nonzero(self.masks[0].flatten()).flatten() if real_rows is None else real_rows
         self.real_rows = flat
         self.slot0 = _slots(flat, b * t)
+        self._spans = spans
         self._grid0 = None  # (step-0 keys, values, their grids): built at the first flex call
-        if self.backend == "sdpa":
-            # Samples are contiguous runs of the real tokens (same row, same seq id): their spans.
-            row, sample = flat // t, seq_ids.flatten()[flat]
+        self._block_mask = None
+
+    @property
+    def spans(self) -> list[int]:
+        """The samples as runs of the real rows (see the class doc); worked out on the device
+        (and read back: the host waits) where the caller gave none."""
+        if self._spans is None:
+            t = self.shape[1]
+            flat = self.real_rows
+            row, sample = flat // t, self.masks[1].flatten()[flat]
             starts = torch.ones_like(flat, dtype=torch.bool)
             starts[1:] = (row[1:] != row[:-1]) | (sample[1:] != sample[:-1])
-            self.spans = torch.nonzero(starts).flatten().tolist() + [flat.numel()]
-        else:
-            seq = seq_ids
+            self._spans = torch.nonzero(starts).flatten().tolist() + [flat.numel()]
+        return self._spans
+
+    @functools.cached_property
+    def sample_spans(self) -> SampleSpans:
+        """``spans`` for the flash kernels (their device offsets copied once per batch)."""
+        return SampleSpans(self.spans)
+
+    @property
+    def block_mask(self):
+        """flex's block mask of the step-0 pattern (built at first use)."""
+        if self._block_mask is None:
+            (b, t), (real, seq) = self.shape, self.masks
 
             def mask_mod(bi, hi, qi, ki):
                 return (ki <= qi) & (seq[bi, ki] == seq[bi, qi]) & (real[bi, ki] | (ki == qi))
 
             # compiled on CUDA: eagerly its mask_mod runs as dozens of small launches over [B, T, T]
-            self.block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=real.device,
-                                                _compile=real.is_cuda)
+            self._block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=real.device,
+                                                 _compile=real.is_cuda)
+        return self._block_mask
 
     def __call__(
         self,
@@ -121,19 +164,26 @@ class TTTAttention:
         ``key_rows[j]``, where the caller has them (the unroll's plan does); worked out here
         otherwise. Returns the output ``[1,nh,n,hd]`` in ``q``'s dtype."""
         nh, hd = q.shape[1], q.shape[3]
-        nkv = keys[0].shape[1]
         scale = hd**-0.5
+        if self.backend is None:
+            self.backend = resolve_backend(self.requested, q.device, q.dtype, hd)
+        merged = None
         if self.backend == "sdpa":
             out0, lse0 = self._step_zero_sdpa(q, keys[0], values[0], q_rows, scale)
-        else:
+        elif self.backend == "flex":
             out0, lse0 = self._step_zero_flex(q, keys[0], values[0], q_rows, scale)
+        else:
+            out0, lse0, merged, at = self._step_zero_flash(q, keys[0], values[0], q_rows, scale)
         if len(keys) == 1:
             return out0.to(q.dtype).view(1, nh, -1, hd)
         # Steps 1..k: the key/value each step made at the query's own position.
         b, t = self.shape
         here = same_at if same_at is not None else [_slots(r, b * t)[q_rows] for r in key_rows[1:]]
         out = fused(_same_position_merge, q.device)(q, out0, lse0, keys[1:], values[1:], here, scale)
-        return out.view(1, nh, -1, hd)
+        out = out.view(1, nh, -1, hd)
+        if merged is not None:  # the step-0 block's backward reads it (flash.py)
+            merged.hold(out.squeeze(0).transpose(0, 1), at, self.real_rows.numel())
+        return out
 
     def _step_zero_sdpa(self, q, key, value, rows, scale):
         """Each sample's queries against its own step-0 keys: fp32 output ``[1,nkv,g,n,hd]`` and
@@ -158,6 +208,32 @@ class TTTAttention:
         if not outs:  # no queries (a batch without targets)
             return q.new_zeros(1, nkv, nh // nkv, 0, hd, dtype=torch.float32), q.new_zeros(1, nkv, nh // nkv, 0)
         return torch.cat(outs, dim=2)[None], torch.cat(lses, dim=2)[None]
+
+    def _step_zero_flash(self, q, key, value, rows, scale):
+        """FlashAttention over the real rows (queries scattered onto them): output ``[1,nkv,g,n,hd]``
+        in ``q``'s dtype, fp32 log-sum-exp ``[1,nkv,g,n]``, the box for the merged output and the
+        queries' indices among the real rows."""
+        nh, hd = q.shape[1], q.shape[3]
+        nkv = key.shape[1]
+        if q.is_cuda and not flash_supports(q.dtype, hd):
+            raise ConfigError(
+                f"FlashAttention kernels take fp16/bf16 and a head size that is a multiple of 8 up to 256; "
+                f"the draft computes in {q.dtype} with head_dim {hd}",
+                where="draft.attention_backend",
+                fix="use attention_backend: auto (it picks flex there) or train in bf16",
+            )
+        n_real = self.real_rows.numel()
+        at = self.slot0[rows]
+        q_rows = q.squeeze(0).transpose(0, 1)
+        if rows.numel() != n_real:
+            q_rows = q_rows.new_zeros(n_real, nh, hd).index_copy(0, at, q_rows)
+        merged = MergedOutput()
+        out, lse = step_zero_flash(q_rows, key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1),
+                                   self.sample_spans, scale, merged)
+        if rows.numel() != n_real:
+            out, lse = take_rows(out, 0, at), lse.index_select(1, at)
+        g = nh // nkv
+        return out.transpose(0, 1).view(1, nkv, g, -1, hd), lse.view(1, nkv, g, -1), merged, at
 
     def _step_zero_flex(self, q, key, value, rows, scale):
         """flex attention over the padded grid (rows scattered to ``[B, T]``), gathered back."""

@@ -170,7 +170,7 @@ def ttt_unroll(
         teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
                                   vocab_chunk=vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
-    attention = TTTAttention(attn, seq, backend, real_rows=plan.real)
+    attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans)
     keys, values, key_rows, steps = [], [], [], []
 
     hidden = None
@@ -233,7 +233,9 @@ class UnrollPlan:
       ``label[k]`` their teacher rows (index t+k, the distribution at t+k+1);
     - ``teacher_index``: the flattened indices i some step reads (the teacher at position i+1);
     - ``same[k]`` (k ≥ 1): for each step j = 1..k, ``rows[k]``'s indices among ``rows[j]`` (where
-      the keys step j made at the queries' own positions are; ``[]`` at step 0).
+      the keys step j made at the queries' own positions are; ``[]`` at step 0);
+    - ``spans`` (host ints): each sample's first index among ``real`` (a sample is a run of real
+      tokens of one row and seq id), then ``real``'s size: the attention's variable-length layout.
 
     Built on the host and sent to the device in one copy: the sizes are data-dependent, and
     working them out on the device would make the host wait for it at every step. Its input is
@@ -253,6 +255,7 @@ class UnrollPlan:
     label: list
     teacher_index: torch.Tensor
     same: list
+    spans: list
 
     @classmethod
     def build(cls, attn, lm, seq, ttt_length: int, *, device, host=None) -> "UnrollPlan":
@@ -274,6 +277,10 @@ class UnrollPlan:
         teacher_slot = _host_slots(teacher_index, b * t)
         real = np.flatnonzero(host[0])
         queries0 = np.searchsorted(real, rows[0])
+        row, sample = real // t, host[2].reshape(-1)[real]
+        starts = np.ones(real.size, dtype=bool)
+        starts[1:] = (row[1:] != row[:-1]) | (sample[1:] != sample[:-1])
+        spans = np.flatnonzero(starts).tolist() + [real.size]
         carry, here, flat, label = [None] * ttt_length, [None] * ttt_length, [None] * ttt_length, [None] * ttt_length
         slots = [None if r is None else _host_slots(r, b * t) for r in rows]
         same = [[] for _ in range(ttt_length)]
@@ -302,7 +309,7 @@ class UnrollPlan:
         groups = [[None if x is None else next(views) for x in group] for group in (rows, carry, here, flat, label)]
         same_d = [[next(views) for _ in at] for at in same]
         return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], groups[3], groups[4], teacher_index_d,
-                   same_d)
+                   same_d, spans)
 
 
 def _host_slots(rows: np.ndarray, size: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The TTT attention pattern (reference §2.3) and the agreement of its sdpa and flex backends."""
+"""The TTT attention pattern (reference §2.3) and the agreement of its sdpa, flex and flash backends."""
 
 import pytest
 import torch
@@ -23,9 +23,12 @@ def test_step_zero_keys_are_causal_within_a_sample_and_skip_padding_but_never_em
     ]
 
 
-def test_auto_backend_is_sdpa_on_cpu_and_unknown_names_are_config_errors():
+def test_auto_backend_is_sdpa_on_cpu_flash_on_cuda_but_flex_in_fp32_and_unknown_names_are_config_errors():
     assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
-    assert resolve_backend("auto", torch.device("cuda")) == "flex"
+    assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "flash"
+    assert resolve_backend("auto", torch.device("cuda"), torch.float32) == "flex"
+    assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16, head_dim=20) == "flex"
+    assert resolve_backend("flash", torch.device("cpu")) == "flash"
     with pytest.raises(ConfigError, match="draft.attention_backend"):
         resolve_backend("eager", torch.device("cpu"))
 
@@ -70,7 +73,7 @@ def dense_ttt_attention(q, q_rows, keys, values, rows, attention, seq):
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"])
 def test_each_backend_equals_the_dense_rule_on_cpu(k, backend):
     queries, keys, values, rows, attention, seq = attention_inputs(seed=k)
     args = (queries[k], rows[k], keys[: k + 1], values[: k + 1], rows[: k + 1])
@@ -79,7 +82,7 @@ def test_each_backend_equals_the_dense_rule_on_cpu(k, backend):
     assert (out - dense_ttt_attention(*args, attention, seq)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"])
 def test_step_zero_queries_may_be_a_subset_of_its_keys(backend):
     queries, keys, values, rows, attention, seq = attention_inputs(seed=5)
     subset = torch.tensor([0, 2, 3, 7, 10])
@@ -99,6 +102,72 @@ def test_flex_and_sdpa_give_the_same_loss_and_metrics_on_cpu():
     assert abs(loss_s.item() - loss_f.item()) < 1e-5
     ms, mf = summarize_metrics(sums_s), summarize_metrics(sums_f)
     assert max(abs(ms[key] - mf[key]) for key in ms) < 1e-5
+
+
+def grads_by_backend(backends, batch, W, dtype=torch.float32, device="cpu", **draft_kwargs):
+    """``{backend: (loss, metrics, fp32 gradients)}`` of one seeded draft on ``batch``."""
+    results = {}
+    for backend in backends:
+        draft = tiny_draft(seed=5, **draft_kwargs).to(device).cast_params(dtype)
+        loss, sums = eagle3_loss(draft, batch, W, ttt_length=7, backend=backend)
+        loss.backward()
+        grads = {n: p.grad.float() for n, p in draft.named_parameters() if p.requires_grad}
+        results[backend] = (loss.item(), summarize_metrics(sums), grads)
+    return results
+
+
+def assert_same_training(a, b, tol):
+    (la, ma, ga), (lb, mb, gb) = a, b
+    assert abs(la - lb) < tol * max(1.0, abs(la))
+    assert max(abs(ma[key] - mb[key]) for key in ma if not key.startswith("acc")) < tol * 10
+    for name in ga:
+        scale = ga[name].abs().max().item() + 1e-6
+        assert (ga[name] - gb[name]).abs().max().item() / scale < tol * 10, name
+
+
+def test_flash_trains_like_sdpa_through_the_log_sum_exp_of_the_merge_on_cpu():
+    """The flash backward is handed the merged output, not its own (flash.py): every parameter's
+    gradient, through all seven steps' merges, equals the reference path's in fp32. Packed rows
+    (two samples in a row), padding and rows without targets are all in the batch."""
+    W = target_head(5, 24)
+    batch = random_batch(seed=5, lengths=[12, 7, 10], T=12, target_hidden=24)
+    batch["seq_ids"] = torch.zeros_like(batch["input_ids"])
+    batch["seq_ids"][0, 5:] = 1  # row 0 holds two samples
+    batch["position_ids"] = torch.where(batch["seq_ids"] == 1, torch.arange(12) - 5, torch.arange(12))
+    results = grads_by_backend(("sdpa", "flash"), batch, W)
+    assert_same_training(results["sdpa"], results["flash"], tol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's kernels are CUDA only")
+def test_explicit_flash_in_fp32_on_cuda_is_a_config_error_naming_the_field():
+    queries, keys, values, rows, attention, seq = attention_inputs(seed=1, hd=16)
+    attend = TTTAttention(attention.cuda(), seq.cuda(), "flash")
+    with pytest.raises(ConfigError, match="draft.attention_backend"):
+        attend(queries[0].cuda(), rows[0].cuda(), [keys[0].cuda()], [values[0].cuda()], [rows[0].cuda()])
+
+
+def test_flash_handed_its_own_output_would_miss_the_log_sum_exp_gradient(monkeypatch):
+    """The test above can fail: without the merged output the step-0 block's gradients differ."""
+    from specforge_core.drafts.eagle3 import flash
+
+    W = target_head(5, 24)
+    batch = random_batch(seed=5, lengths=[12, 7, 10], T=12, target_hidden=24)
+    monkeypatch.setattr(flash.MergedOutput, "on_real_rows", lambda self: None)
+    results = grads_by_backend(("sdpa", "flash"), batch, W)
+    (_, _, gs), (_, _, gf) = results["sdpa"], results["flash"]
+    q = "midlayer.self_attn.q_proj.weight"
+    assert (gs[q] - gf[q]).abs().max().item() / gs[q].abs().max().item() > 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's varlen kernels are CUDA only")
+def test_flash_and_sdpa_agree_in_loss_metrics_and_gradients_on_cuda():
+    W = target_head(5, 24).cuda()
+    batch = {k: v.cuda() for k, v in random_batch(seed=5, lengths=[40, 29, 33], T=40, target_hidden=24).items()}
+    batch["seq_ids"] = torch.zeros_like(batch["input_ids"])
+    batch["seq_ids"][0, 17:] = 1  # row 0 holds two samples
+    results = grads_by_backend(("sdpa", "flash", "flex"), batch, W, torch.bfloat16, "cuda", head_dim=32)
+    assert_same_training(results["sdpa"], results["flash"], tol=3e-2)
+    assert_same_training(results["flex"], results["flash"], tol=3e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no CPU backward; run on a CUDA machine")
@@ -123,7 +192,7 @@ def test_flex_and_sdpa_agree_in_loss_metrics_and_gradients_on_cuda(dtype):
 
 
 @pytest.mark.parametrize("padded", [True, False])
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"])
 def test_one_attention_serves_every_step_with_or_without_the_plans_indices(backend, padded):
     """The unroll calls one TTTAttention per batch at every step (flex lays the step-0 keys out
     once); with the plan's same-position indices or without, each step equals the dense rule."""

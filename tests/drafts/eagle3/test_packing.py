@@ -54,7 +54,7 @@ def per_sample_sums(steps, seq_ids, n_samples):
     return out
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "flash"])
 def test_each_sample_has_the_same_loss_and_metric_sums_packed_or_unpacked(backend):
     # seed 7: a random draft that happens to hit some targets, so "correct" is compared on non-zeros
     draft, W, data = tiny_draft(seed=7), target_head(4, HT), samples()

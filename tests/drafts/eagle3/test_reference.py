@@ -121,13 +121,15 @@ def test_fast_path_on_cuda_matches_reference(backend, compiled):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flex backward, fused loss kernels)")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager_layer", "compiled_layer"])
-def test_a_step_with_host_masks_never_waits_for_the_device(compiled):
-    """With the capture's host masks the flex step (forward and backward) reads nothing back from the
-    device, so the host can launch it while the device still runs the previous step."""
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+def test_a_step_with_host_masks_never_waits_for_the_device(compiled, backend):
+    """With the capture's host masks the step (forward and backward, flex or flash attention in
+    bf16) reads nothing back from the device, so the host can launch it while the device still
+    runs the previous step."""
     from specforge_core.capture.base import HostMasks
     from specforge_core.runtime.compile import compile_pointwise
 
-    draft = tiny_draft(seed=32, head_dim=32).cuda()
+    draft = tiny_draft(seed=32, head_dim=32).cuda().cast_params(torch.bfloat16)
     if compiled:
         compile_pointwise(draft)
     batch = random_batch(seed=32, lengths=[12, 9], T=12, target_hidden=24)
@@ -135,12 +137,12 @@ def test_a_step_with_host_masks_never_waits_for_the_device(compiled):
     batch = {k: v.cuda() for k, v in batch.items()} | {"host_masks": host}
     W = target_head(32, 24).cuda()
     for _ in range(2):  # the first call compiles and builds what later calls reuse
-        loss, _sums = eagle3_loss(draft, batch, W, ttt_length=7, backend="flex")
+        loss, _sums = eagle3_loss(draft, batch, W, ttt_length=7, backend=backend)
         loss.backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, _sums = eagle3_loss(draft, batch, W, ttt_length=7, backend="flex")
+        loss, _sums = eagle3_loss(draft, batch, W, ttt_length=7, backend=backend)
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -32,7 +32,12 @@ def test_the_plan_of_a_packed_padded_batch_equals_the_definitions():
 
     for k in range(K):
         assert plan.valid[k].flatten().tolist() == [valid(k, p) for p in range(b * t)]
-    assert plan.real.tolist() == [p for p in range(b * t) if a[p]]
+    real = [p for p in range(b * t) if a[p]]
+    assert plan.real.tolist() == real
+    # each sample (a run of one row's real tokens with one seq id) starts a span among the real rows
+    assert plan.spans == [i for i, p in enumerate(real)
+                          if i == 0 or p // t != real[i - 1] // t or s[p] != s[real[i - 1]]] + [len(real)]
+    assert plan.spans == [0, 9, 17, 22, 29, 44]
     teacher = plan.teacher_index.tolist()
     assert teacher == sorted({p + k for k in range(K) for p in range(b * t) if valid(k, p)})
     previous = plan.real
@@ -59,7 +64,7 @@ def _fields(plan):
     for name, value in vars(plan).items():
         items = value if isinstance(value, list) else [value]
         flat = [x for item in items for x in (item if isinstance(item, list) else [item])]
-        out[name] = [None if x is None else x.tolist() for x in flat]
+        out[name] = [x if x is None or isinstance(x, int) else x.tolist() for x in flat]
     return out
 
 
