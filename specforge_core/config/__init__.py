@@ -179,8 +179,8 @@ class DraftConfig(_Section):
         "(the target's lm_head rows of the draft vocabulary, then trained). Ignored by a warm start or a resume."
     )
     attention_backend: Literal["auto", "sdpa", "flex", "flash"] = Field(
-        "auto", description="auto = flash (FlashAttention kernels) on CUDA in bf16/fp16, flex in fp32, sdpa on CPU "
-        "(DFlash drafts: auto, sdpa or flex)."
+        "auto", description="auto = flash (FlashAttention kernels) on CUDA in bf16/fp16 (flex in fp32 or for a "
+        "head_dim FlashAttention has no kernel for), sdpa on CPU. DFlash drafts: auto (flex on CUDA), sdpa or flex."
     )
 
 
@@ -481,6 +481,11 @@ class RunConfig(_Section):
             raise ValueError(
                 f"training.feature_noise={self.training.feature_noise} perturbs EAGLE3's captured features; "
                 "the DFlash objective does not read it: remove training.feature_noise"
+            )
+        if self.draft.family == "dflash" and self.draft.attention_backend == "flash":
+            raise ValueError(
+                "draft.attention_backend=flash is EAGLE3's step-0 kernel; a DFlash draft attends with sdpa or "
+                "flex: use auto, sdpa or flex"
             )
         if self.draft.family == "dflash" and self.draft.lm_head_init != "random":
             raise ValueError(

@@ -173,7 +173,7 @@ class TTTAttention:
         elif self.backend == "flex":
             out0, lse0 = self._step_zero_flex(q, keys[0], values[0], q_rows, scale)
         else:
-            out0, lse0, merged, at = self._step_zero_flash(q, keys[0], values[0], q_rows, scale)
+            out0, lse0, merged, at = self._step_zero_flash(q, keys[0], values[0], q_rows, scale, len(keys) > 1)
         if len(keys) == 1:
             return out0.to(q.dtype).view(1, nh, -1, hd)
         # Steps 1..k: the key/value each step made at the query's own position.
@@ -209,10 +209,10 @@ class TTTAttention:
             return q.new_zeros(1, nkv, nh // nkv, 0, hd, dtype=torch.float32), q.new_zeros(1, nkv, nh // nkv, 0)
         return torch.cat(outs, dim=2)[None], torch.cat(lses, dim=2)[None]
 
-    def _step_zero_flash(self, q, key, value, rows, scale):
+    def _step_zero_flash(self, q, key, value, rows, scale, merging: bool):
         """FlashAttention over the real rows (queries scattered onto them): output ``[1,nkv,g,n,hd]``
-        in ``q``'s dtype, fp32 log-sum-exp ``[1,nkv,g,n]``, the box for the merged output and the
-        queries' indices among the real rows."""
+        in ``q``'s dtype, fp32 log-sum-exp ``[1,nkv,g,n]``, the box for the merged output (which
+        the caller must fill when ``merging``) and the queries' indices among the real rows."""
         nh, hd = q.shape[1], q.shape[3]
         nkv = key.shape[1]
         if q.is_cuda and not flash_supports(q.dtype, hd):
@@ -227,7 +227,7 @@ class TTTAttention:
         q_rows = q.squeeze(0).transpose(0, 1)
         if rows.numel() != n_real:
             q_rows = q_rows.new_zeros(n_real, nh, hd).index_copy(0, at, q_rows)
-        merged = MergedOutput()
+        merged = MergedOutput(expected=merging)
         out, lse = step_zero_flash(q_rows, key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1),
                                    self.sample_spans, scale, merged)
         if rows.numel() != n_real:

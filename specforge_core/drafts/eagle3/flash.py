@@ -59,9 +59,11 @@ class SampleSpans:
 class MergedOutput:
     """The merged attention output of the step whose step-0 block :func:`step_zero_flash` made:
     the caller holds it (``hold``) once it has merged; the block's backward reads it back on the
-    real rows."""
+    real rows. ``expected``: the caller will merge (a step after the first), so a backward without
+    a held output is an error, not a silent fall-back to the block's own output."""
 
-    def __init__(self):
+    def __init__(self, expected: bool = False):
+        self.expected = expected
         self._held = None
 
     def hold(self, out: torch.Tensor, at: torch.Tensor, n_real: int) -> None:
@@ -71,6 +73,11 @@ class MergedOutput:
 
     def on_real_rows(self) -> torch.Tensor | None:
         if self._held is None:
+            if self.expected:
+                raise RuntimeError(
+                    "the step-0 flash block's backward ran before its merged output was held: out0/lse0 "
+                    "must be used only by the same-position merge, and the merge must run eagerly after it "
+                    "(drafts/eagle3/flash.py, module doc)")
             return None
         out, at, n_real = self._held
         if out.shape[0] == n_real:
@@ -78,10 +85,11 @@ class MergedOutput:
         return out.new_zeros(n_real, *out.shape[1:]).index_copy_(0, at, out)
 
 
+@torch.compiler.disable  # traced, the backward would not see what the eager caller holds later
 def step_zero_flash(q, k, v, spans: SampleSpans, scale: float, merged: MergedOutput):
     """Causal attention within each sample of ``spans``: ``q [n, nh, hd]``, ``k, v [n, nkv, hd]``
     on the real rows → ``(out [n, nh, hd]`` in ``q``'s dtype, ``lse [nh, n]`` fp32``)``, with the
-    backward described in the module doc."""
+    backward described in the module doc. Always runs eagerly, also inside a compiled caller."""
     return _StepZeroFlash.apply(q, k, v, spans, scale, merged)
 
 
@@ -110,7 +118,7 @@ def _forward(q, k, v, spans, scale):
             q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)
         return out, lse, (rng, unused)
     outs, lses = [], []
-    for a, b in zip(spans.bounds[:-1], spans.bounds[1:]):
+    for a, b in _nonempty(spans):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _heads_first(q[a:b]), _heads_first(k[a:b]), _heads_first(v[a:b]), 0.0, True, scale=scale)
         outs.append(out[0].transpose(0, 1))
@@ -127,12 +135,17 @@ def _backward(grad, q, k, v, out, lse, spans, scale, state):
         return torch.ops.aten._flash_attention_backward(
             grad, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, rng, unused, scale=scale)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for a, b in zip(spans.bounds[:-1], spans.bounds[1:]):
+    for a, b in _nonempty(spans):
         parts = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             *(_heads_first(x[a:b]) for x in (grad, q, k, v, out)), lse[None, :, a:b], 0.0, True, scale=scale)
         for total, part in zip((dq, dk, dv), parts):
             total[a:b] = part[0].transpose(0, 1)
     return dq, dk, dv
+
+
+def _nonempty(spans: SampleSpans):
+    """The ``(start, end)`` of each sample with rows (torch's CPU kernel faults on an empty one)."""
+    return [(a, b) for a, b in zip(spans.bounds[:-1], spans.bounds[1:]) if b > a]
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

@@ -121,15 +121,16 @@ def test_fast_path_on_cuda_matches_reference(backend, compiled):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flex backward, fused loss kernels)")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager_layer", "compiled_layer"])
-@pytest.mark.parametrize("backend", ["flex", "flash"])
-def test_a_step_with_host_masks_never_waits_for_the_device(compiled, backend):
-    """With the capture's host masks the step (forward and backward, flex or flash attention in
-    bf16) reads nothing back from the device, so the host can launch it while the device still
-    runs the previous step."""
+@pytest.mark.parametrize("backend, dtype", [("flex", torch.float32), ("flex", torch.bfloat16),
+                                            ("flash", torch.bfloat16)])
+def test_a_step_with_host_masks_never_waits_for_the_device(compiled, backend, dtype):
+    """With the capture's host masks the step (forward and backward; flex attention, auto's choice in
+    fp32, or flash, its choice in bf16) reads nothing back from the device, so the host can launch
+    it while the device still runs the previous step."""
     from specforge_core.capture.base import HostMasks
     from specforge_core.runtime.compile import compile_pointwise
 
-    draft = tiny_draft(seed=32, head_dim=32).cuda().cast_params(torch.bfloat16)
+    draft = tiny_draft(seed=32, head_dim=32).cuda().cast_params(dtype)
     if compiled:
         compile_pointwise(draft)
     batch = random_batch(seed=32, lengths=[12, 9], T=12, target_hidden=24)
