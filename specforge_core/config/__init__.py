@@ -243,7 +243,7 @@ class TrainingConfig(_Section):
     compile: bool = Field(
         False, description="torch.compile the draft's and the hf target's norms and MLPs and the draft "
         "unroll's memory-bound passes (GPU; end to end 18.5k against 14.4k tokens/s at Qwen3-8B shape; 3–4 min of "
-        "compiling, cached in <output.dir>/compile-cache). Off: only flex attention is compiled (≈ 24 s start)."
+        "compiling, cached in <output.dir>/compile-cache). Off: only flex attention is compiled, where it is used (≈ 24 s start, measured on flex)."
     )
     save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0: end only).")
     keep_checkpoints: int = Field(2, ge=1, description="Keep the newest N checkpoints.")

@@ -186,7 +186,7 @@ def ttt_unroll(
             keys.append(key)
             values.append(value)
             key_rows.append(inputs)
-            with record_function("eagle3.attention"):  # flex over the step's keys + the same-position merge
+            with record_function("eagle3.attention"):  # step 0's keys (flash, flex or sdpa) + the same-position merge
                 return attention(q, idx, keys, values, key_rows, same_at=plan.same[k])
 
         step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[inputs][None]
