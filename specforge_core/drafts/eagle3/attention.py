@@ -31,8 +31,6 @@ picks flash on CUDA (flex where the dtype is fp32: FlashAttention has no fp32 ke
 elsewhere.
 """
 
-import functools
-
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
@@ -113,27 +111,18 @@ class TTTAttention:
         flat = torch.nonzero(self.masks[0].flatten()).flatten() if real_rows is None else real_rows
         self.real_rows = flat
         self.slot0 = _slots(flat, b * t)
-        self._spans = spans
+        self._spans = None if spans is None else SampleSpans(spans)
         self._grid0 = None  # (step-0 keys, values, their grids): built at the first flex call
         self._block_mask = None
 
     @property
-    def spans(self) -> list[int]:
-        """The samples as runs of the real rows (see the class doc); worked out on the device
-        (and read back: the host waits) where the caller gave none."""
+    def spans(self) -> SampleSpans:
+        """The samples as runs of the real rows (see the class doc); worked out from a host copy
+        of the masks (the host waits for the device) where the caller gave none."""
         if self._spans is None:
-            t = self.shape[1]
-            flat = self.real_rows
-            row, sample = flat // t, self.masks[1].flatten()[flat]
-            starts = torch.ones_like(flat, dtype=torch.bool)
-            starts[1:] = (row[1:] != row[:-1]) | (sample[1:] != sample[:-1])
-            self._spans = torch.nonzero(starts).flatten().tolist() + [flat.numel()]
+            real = self.real_rows.cpu().numpy()
+            self._spans = SampleSpans.of_rows(real, self.masks[1].flatten().cpu().numpy()[real], self.shape[1])
         return self._spans
-
-    @functools.cached_property
-    def sample_spans(self) -> SampleSpans:
-        """``spans`` for the flash kernels (their device offsets copied once per batch)."""
-        return SampleSpans(self.spans)
 
     @property
     def block_mask(self):
@@ -192,9 +181,10 @@ class TTTAttention:
         nkv = key.shape[1]
         qg = q.view(nkv, nh // nkv, -1, hd)
         at = self.slot0[rows]  # each query's index among the step-0 rows (= its key)
-        bounds = torch.searchsorted(at, torch.tensor(self.spans, device=at.device)).tolist()
+        spans = self.spans.bounds
+        bounds = torch.searchsorted(at, torch.tensor(spans, device=at.device)).tolist()
         outs, lses = [], []
-        for s, (k0, k1) in enumerate(zip(self.spans[:-1], self.spans[1:])):
+        for s, (k0, k1) in enumerate(zip(spans[:-1], spans[1:])):
             q0, q1 = bounds[s], bounds[s + 1]
             if q1 == q0:
                 continue
@@ -229,7 +219,7 @@ class TTTAttention:
             q_rows = q_rows.new_zeros(n_real, nh, hd).index_copy(0, at, q_rows)
         merged = MergedOutput(expected=merging)
         out, lse = step_zero_flash(q_rows, key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1),
-                                   self.sample_spans, scale, merged)
+                                   self.spans, scale, merged)
         if rows.numel() != n_real:
             out, lse = take_rows(out, 0, at), lse.index_select(1, at)
         g = nh // nkv

@@ -30,6 +30,7 @@ has no fp32 kernel), any float dtype on the CPU.
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -40,6 +41,14 @@ class SampleSpans:
 
     bounds: list[int]
     _offsets: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of_rows(cls, real: np.ndarray, seq: np.ndarray, t: int) -> "SampleSpans":
+        """From the flattened real rows ``real`` (ascending) of a ``[B, t]`` batch and the seq id
+        at each of them ``seq``: a sample starts where the row or the seq id changes."""
+        starts = np.ones(real.size, dtype=bool)
+        starts[1:] = (real[1:] // t != real[:-1] // t) | (seq[1:] != seq[:-1])
+        return cls(np.flatnonzero(starts).tolist() + [real.size])
 
     @property
     def longest(self) -> int:

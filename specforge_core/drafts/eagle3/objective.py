@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from specforge_core.drafts.eagle3.attention import TTTAttention
+from specforge_core.drafts.eagle3.flash import SampleSpans
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
 from specforge_core.drafts.eagle3.rows import take_rows
 from specforge_core.drafts.eagle3.teacher import compute_teacher, softmax_from_lse
@@ -277,10 +278,7 @@ class UnrollPlan:
         teacher_slot = _host_slots(teacher_index, b * t)
         real = np.flatnonzero(host[0])
         queries0 = np.searchsorted(real, rows[0])
-        row, sample = real // t, host[2].reshape(-1)[real]
-        starts = np.ones(real.size, dtype=bool)
-        starts[1:] = (row[1:] != row[:-1]) | (sample[1:] != sample[:-1])
-        spans = np.flatnonzero(starts).tolist() + [real.size]
+        spans = SampleSpans.of_rows(real, host[2].reshape(-1)[real], t).bounds
         carry, here, flat, label = [None] * ttt_length, [None] * ttt_length, [None] * ttt_length, [None] * ttt_length
         slots = [None if r is None else _host_slots(r, b * t) for r in rows]
         same = [[] for _ in range(ttt_length)]

@@ -145,7 +145,7 @@ def test_flash_trains_like_sdpa_through_the_log_sum_exp_of_the_merge_on_cpu():
     assert_same_training(results["sdpa"], results["flash"], tol=1e-6)
 
 
-def _attention_grads(backend, wrap=lambda f: f, hold=True):
+def _attention_grads(backend, wrap=lambda f: f):
     """The gradients of q, keys and values through four steps of one TTTAttention, each step's
     call made through ``wrap``."""
     queries, keys, values, rows, attention, seq = attention_inputs(seed=11)
@@ -187,7 +187,8 @@ def test_explicit_flash_in_fp32_on_cuda_is_a_config_error_naming_the_field():
 
 
 def test_flash_handed_its_own_output_would_miss_the_log_sum_exp_gradient(monkeypatch):
-    """The test above can fail: without the merged output the step-0 block's gradients differ."""
+    """test_flash_trains_like_sdpa_... can fail: without the merged output the step-0 block's
+    gradients differ."""
     from specforge_core.drafts.eagle3 import flash
 
     W = target_head(5, 24)
@@ -234,20 +235,9 @@ def test_the_cuda_check_above_fails_without_the_merged_output(monkeypatch):
 def test_flex_and_sdpa_agree_in_loss_metrics_and_gradients_on_cuda(dtype):
     W = target_head(5, 24).cuda()
     batch = {k: v.cuda() for k, v in random_batch(seed=5, lengths=[40, 29, 33], T=40, target_hidden=24).items()}
-    results = {}
-    for backend in ("sdpa", "flex"):
-        draft = tiny_draft(seed=5, head_dim=32).cuda().cast_params(dtype)  # flex kernels need head_dim >= 16
-        loss, sums = eagle3_loss(draft, batch, W, ttt_length=7, backend=backend)
-        loss.backward()
-        grads = {n: p.grad.float() for n, p in draft.named_parameters() if p.requires_grad}
-        results[backend] = (loss.item(), summarize_metrics(sums), grads)
-    (ls, ms, gs), (lf, mf, gf) = results["sdpa"], results["flex"]
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert abs(ls - lf) < tol * max(1.0, abs(ls))
-    assert max(abs(ms[key] - mf[key]) for key in ms if not key.startswith("acc")) < tol * 10
-    for name in gs:
-        scale = gs[name].abs().max().item() + 1e-6
-        assert (gs[name] - gf[name]).abs().max().item() / scale < tol * 10, name
+    # flex kernels need head_dim >= 16
+    results = grads_by_backend(("sdpa", "flex"), batch, W, dtype, "cuda", head_dim=32)
+    assert_same_training(results["sdpa"], results["flex"], tol=1e-4 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("padded", [True, False])
