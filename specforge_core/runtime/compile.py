@@ -12,8 +12,9 @@ compiled always, it has no fast eager path):
 
 - every ``*RMSNorm`` (fp32 cast, variance, rsqrt, scale) and ``*MLP`` (SiLU × up) module: several
   passes over the activations in eager mode, one fused kernel around the matmuls compiled; the
-  EAGLE3 draft's decoder layer instead as two regions (``compiled_regions``: norms, concat,
-  q/k/v, RoPE; o_proj, residuals, norm, MLP), whose dozens of small launches per unrolled step
+  EAGLE3 draft's decoder layer instead as two regions (``compiled_regions``: the hidden norm,
+  q/k/v's hidden half added to the step's rows of the embedding half, RoPE; o_proj, residuals,
+  norm, MLP), whose dozens of small launches per unrolled step
   the host otherwise issues one by one while the device waits;
 - :func:`fused` functions: the unroll's passes over ``[N, Vd]`` logits (soft CE, overlap, their
   backward), the teacher's per-chunk statistics and the same-position merge, a few fp32

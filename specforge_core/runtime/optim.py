@@ -3,7 +3,7 @@
 The trainer hands over one ``root`` module whose ``forward`` runs the whole training step (the
 objective over the draft). :func:`shard` makes all its trainable parameters one FSDP2 group:
 the root's forward gathers them once, the objective then calls whatever draft methods it likes
-(``project_hidden``, ``midlayer.project_qkv``, ``compute_logits`` ...) on ordinary tensors, and
+(``project_hidden``, ``project_tokens``, ``compute_logits`` ...) on ordinary tensors, and
 the gathered parameters stay until the end of backward (``reshard_after_forward=False``, like
 FSDP1's SHARD_GRAD_OP): the TTT unroll uses the layer K times per micro-batch, and the draft is a
 single layer, so finer groups would only add collectives.

@@ -16,6 +16,10 @@ embedding is exactly what SGLang and vLLM load. The layer, as SGLang's ``LlamaFo
     h'   = h' + mlp(post_attention_layernorm(h'))          carried to the next step pre-norm
     z    = lm_head(norm(h'))                               compute_logits, draft vocab only
 
+In training the embedding half of q/k/v is projected once per step for every token the unroll
+reads (``project_tokens``), with ``input_layernorm``'s weight folded into the matrix; each
+unrolled step adds the rows it needs to its hidden half (``Eagle3DecoderLayer``'s doc).
+
 The training-time-test unroll (attention across unrolled steps) lives in
 ``specforge_core.drafts.eagle3``; ``step`` is the plain forward for decoding: new query rows at explicit
 positions attending over given extra key/value rows.
@@ -24,6 +28,7 @@ positions attending over given extra key/value rows.
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,8 +74,35 @@ class Eagle3Attention(nn.Module):
         return q, k, v
 
 
+class QKVWeights(NamedTuple):
+    """The q/k/v projections as two ``[O, H]`` matrices, ``O = (nh + 2·nkv)·hd`` (q, k, v rows in
+    that order), made once per training step (:meth:`Eagle3DecoderLayer.qkv_weights`):
+
+    - ``embedding``: their embedding half with ``input_layernorm``'s weight folded in, so
+      ``input_layernorm(e) @ W_e^T == rms_normalize(e) @ embedding^T``;
+    - ``hidden``: their hidden half.
+    """
+
+    embedding: torch.Tensor
+    hidden: torch.Tensor
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``LlamaRMSNorm`` without its weight: ``x / rms(x)`` computed in fp32, in ``x``'s dtype."""
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class Eagle3DecoderLayer(nn.Module):
     """The single decoder layer, split where the attention pattern is plugged in.
+
+    q/k/v act on ``cat(input_layernorm(embed(ids)), hidden_norm(h))``. Their embedding half
+    depends on the tokens only, and the unroll's step k reads the same tokens as step 0, k rows
+    further on. So the training step projects each token's embedding once
+    (:meth:`project_embeddings`, with the norm's weight folded into the matrix) and every step
+    adds the rows it reads to its hidden half (:meth:`project_qkv`). That is the same sum, with
+    the embedding half's matmuls done once instead of once per step, and its backward needs no
+    gradient for the frozen embeddings.
 
     ``compiled_regions``: the two halves around the attention, each one ``torch.compile`` region
     with ``training.compile`` on CUDA (``runtime.compile.compile_pointwise``)."""
@@ -85,10 +117,37 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def project_qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q, k, v of ``cat(input_layernorm(embeds), hidden_norm(hidden))`` (embedding first)."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        return self.self_attn.project(x, cos, sin)
+    def qkv_weights(self) -> QKVWeights:
+        """q/k/v's two halves as :class:`QKVWeights` (concatenated copies: call once a step)."""
+        attn = self.self_attn
+        h = attn.q_proj.in_features // 2
+        ws = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+        embedding = torch.cat([w[:, :h] for w in ws]) * self.input_layernorm.weight
+        return QKVWeights(embedding, torch.cat([w[:, h:] for w in ws]))
+
+    def project_embeddings(self, embeds: torch.Tensor, weights: QKVWeights) -> torch.Tensor:
+        """The embedding half of q/k/v for ``embeds [..., H]``: ``[..., O]``."""
+        return F.linear(rms_normalize(embeds, self.input_layernorm.variance_epsilon), weights.embedding)
+
+    def project_qkv(self, embedded: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    weight_hidden: torch.Tensor):
+        """q ``[B,nh,T,hd]``, k, v ``[B,nkv,T,hd]`` (RoPE on q and k) of the rows whose embedding
+        half is ``embedded [B,T,O]`` (:meth:`project_embeddings`) and whose hidden is ``hidden``;
+        ``weight_hidden``: ``QKVWeights.hidden``."""
+        attn = self.self_attn
+        b, t, o = embedded.shape
+        normed = self.hidden_norm(hidden)
+        qkv = torch.addmm(embedded.reshape(b * t, o), normed.reshape(b * t, -1), weight_hidden.t()).view(b, t, -1)
+        nq, nkv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        # RoPE in the [B, T, heads, hd] layout of the projection (its backward then writes the
+        # q/k/v gradient row by row; rotating after the transpose wrote it column-strided, a
+        # 0.9 ms kernel per step at Qwen3-8B shape), transposed after as a view
+        q = q.view(b, t, attn.num_heads, attn.head_dim)
+        k = k.view(b, t, attn.num_kv_heads, attn.head_dim)
+        v = v.view(b, t, attn.num_kv_heads, attn.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def complete(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual on the un-normed ``hidden`` plus the MLP block; ``attn`` is ``[B,nh,T,hd]``."""
@@ -96,15 +155,26 @@ class Eagle3DecoderLayer(nn.Module):
         h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, nh * hd))
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def forward(self, embeds, hidden, cos, sin, attend: Callable, queries: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, embedded, hidden, cos, sin, attend: Callable, queries: torch.Tensor | None = None,
+                weights: QKVWeights | None = None) -> torch.Tensor:
         """The layer with the attention pattern supplied by ``attend(q, k, v) -> [B,nh,Tq,hd]``.
 
-        ``queries``: index along T of the rows to compute outputs for (default all); keys and
-        values are made for every row."""
-        q, k, v = self.project_qkv(embeds, hidden, cos, sin)
+        ``embedded``: the rows' embedding half of q/k/v (:meth:`project_embeddings` with
+        ``weights``, made here from ``qkv_weights()`` when not given). ``queries``: index along T
+        of the rows to compute outputs for (default all); keys and values are made for every row."""
+        weights = self.qkv_weights() if weights is None else weights
+        q, k, v = self.project_qkv(embedded, hidden, cos, sin, weights.hidden)
         if queries is not None:  # distinct rows: the backward copies into place (rows.take_rows)
             q, hidden = take_rows(q, 2, queries), take_rows(hidden, 1, queries)
         return self.complete(hidden, attend(q, k, v))
+
+
+class ProjectedTokens(NamedTuple):
+    """A training step's tokens, embedded and projected once (``Eagle3DraftModel.project_tokens``):
+    ``rows [N, O]``, the embedding half of q/k/v of each token, and the step's ``weights``."""
+
+    rows: torch.Tensor
+    weights: QKVWeights
 
 
 class Eagle3DraftModel(nn.Module):
@@ -179,37 +249,52 @@ class Eagle3DraftModel(nn.Module):
         """Draft-vocab logits ``lm_head(norm(hidden))`` ``[..., Vd]``."""
         return self.lm_head(self.norm(hidden))
 
+    def project_tokens(self, token_ids: torch.Tensor) -> "ProjectedTokens":
+        """Embed ``token_ids [N]`` and project their embedding half of q/k/v once
+        (:class:`ProjectedTokens`): what a training step's unrolled steps read their rows from
+        (``forward(..., tokens=, token_rows=)``)."""
+        weights = self.midlayer.qkv_weights()
+        embeds = self.embed_tokens(token_ids).to(weights.hidden.dtype)
+        return ProjectedTokens(self.midlayer.project_embeddings(embeds, weights), weights)
+
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         position_ids: torch.Tensor,
         attend: Callable,
         hidden: torch.Tensor | None = None,
         aux_hidden: torch.Tensor | None = None,
         queries: torch.Tensor | None = None,
         logit_rows: torch.Tensor | None = None,
+        tokens: "ProjectedTokens | None" = None,
+        token_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for every row: ``(new pre-norm hidden [B,T,H], logits [B,T,Vd])``.
 
-        ``input_ids [B,T]`` are the tokens following each row's hidden state, ``position_ids
-        [B,T]`` their RoPE positions, ``attend(q, k, v)`` the attention over this step's q/k/v
-        (``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]``, rotated) and whatever keys it keeps. Give
-        ``aux_hidden`` (first step: ``project_hidden`` is applied) or the carried ``hidden``.
-        ``queries`` (a long index along T, without repeats) restricts the outputs to those rows:
-        keys and values are still made for every row, ``q`` and the results have
-        ``Tq = len(queries)`` rows. ``logit_rows`` (a long index along the output rows, without
+        ``input_ids [B,T]`` are the tokens following each row's hidden state, or with ``tokens``
+        (:meth:`project_tokens`, B = 1) None and ``token_rows [T]`` the index of each row's token
+        among them. ``position_ids [B,T]`` are their RoPE positions, ``attend(q, k, v)`` the
+        attention over this step's q/k/v (``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]``, rotated) and
+        whatever keys it keeps. Give ``aux_hidden`` (first step: ``project_hidden`` is applied) or
+        the carried ``hidden``. ``queries`` (a long index along T, without repeats) restricts the
+        outputs to those rows: keys and values are still made for every row, ``q`` and the results
+        have ``Tq = len(queries)`` rows. ``logit_rows`` (a long index along the output rows, without
         repeats) computes logits for those rows only (``[B, len(logit_rows), Vd]``): the rows
         whose hidden is only carried to a later step.
-        The training objective calls the draft only through this forward, so wrappers that hook
-        ``forward`` (FSDP2) see every parameter use.
         """
         if aux_hidden is not None:
             with record_function("eagle3.fc"):
                 hidden = self.project_hidden(aux_hidden)
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        cos, sin = self.rotary_emb(embeds, position_ids)
+        if tokens is None:
+            weights = self.midlayer.qkv_weights()
+            embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+            embedded = self.midlayer.project_embeddings(embeds, weights)
+        else:
+            weights = tokens.weights
+            embedded = take_rows(tokens.rows, 0, token_rows)[None]
+        cos, sin = self.rotary_emb(hidden, position_ids)
         with record_function("eagle3.layer"):
-            hidden = self.midlayer(embeds, hidden, cos, sin, attend, queries)
+            hidden = self.midlayer(embedded, hidden, cos, sin, attend, queries, weights)
         scored = hidden if logit_rows is None else take_rows(hidden, 1, logit_rows)
         with record_function("eagle3.lm_head"):
             return hidden, self.compute_logits(scored)
@@ -254,9 +339,10 @@ class Eagle3DraftModel(nn.Module):
                 scale=self.midlayer.self_attn.scaling,
             )
 
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        cos, sin = self.rotary_emb(embeds, position_ids)
-        return self.midlayer(embeds, hidden, cos, sin, attend), new_rows[0]
+        weights = self.midlayer.qkv_weights()
+        embedded = self.midlayer.project_embeddings(self.embed_tokens(input_ids).to(hidden.dtype), weights)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        return self.midlayer(embedded, hidden, cos, sin, attend, weights=weights), new_rows[0]
 
     # --- vocabulary map and embedding ------------------------------------------------------
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:

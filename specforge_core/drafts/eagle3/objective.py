@@ -57,14 +57,16 @@ class StepTerms:
 def _soft_ce_and_overlap(logits, teacher_logits, teacher_lse, label, weight, log_mass):
     """Per row: ``weight``·soft CE against the teacher's softmax on row ``label``
     (``exp(teacher_logits[label] - teacher_lse[label])``), ``Σ_v min(q_draft, p_target)`` with
-    ``p_target`` that softmax times ``exp(log_mass)`` (fp32 from the logits' own dtype), and the
-    draft's argmax (compiled, one pass over the logits serves all three)."""
+    ``p_target`` that softmax times ``exp(log_mass)`` (fp32 from the logits' own dtype), the
+    draft's argmax, and what the backward needs besides the logits: their logsumexp and the
+    target's sum (compiled, one pass over the logits serves all of them)."""
     target = _target(teacher_logits, teacher_lse, label)
-    log_q = torch.log_softmax(logits.float(), dim=-1)
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    log_q = logits.float() - lse[..., None]
     loss = -(target * log_q).sum(dim=-1)
     loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
     overlap = torch.minimum(log_q.exp(), target * log_mass.exp()[..., None]).sum(dim=-1)
-    return loss, overlap, logits.argmax(dim=-1)
+    return loss, overlap, logits.argmax(dim=-1), lse, target.sum(dim=-1)
 
 
 def _target(teacher_logits, teacher_lse, label):
@@ -72,15 +74,18 @@ def _target(teacher_logits, teacher_lse, label):
     return softmax_from_lse(teacher_logits[label], teacher_lse[label])
 
 
-def _ce_grad_from_probs(q, target, weight, grad, dtype):
-    """d(weight·CE)/d(logits) given the draft's fp32 softmax ``q``."""
+def _ce_grad_from_probs(q, target, target_sum, weight, grad, dtype):
+    """d(weight·CE)/d(logits) given the draft's fp32 softmax ``q`` and ``target``'s row sums."""
     coef = torch.where(weight > 0, grad * weight, torch.zeros_like(grad))[..., None]
-    return (coef * (q * target.sum(dim=-1, keepdim=True) - target)).to(dtype)
+    return (coef * (q * target_sum[..., None] - target)).to(dtype)
 
 
-def _ce_grad(logits, teacher_logits, teacher_lse, label, weight, grad):
+def _ce_grad(logits, lse, teacher_logits, teacher_lse, label, target_sum, weight, grad):
+    """The same from the logits and the logsumexp the forward saved: one element-wise pass that
+    reads the logits and the teacher's rows once each (no reduction to redo)."""
     target = _target(teacher_logits, teacher_lse, label)
-    return _ce_grad_from_probs(torch.softmax(logits.float(), dim=-1), target, weight, grad, logits.dtype)
+    q = (logits.float() - lse[..., None]).exp()
+    return _ce_grad_from_probs(q, target, target_sum, weight, grad, logits.dtype)
 
 
 class _SoftTargetTerms(torch.autograd.Function):
@@ -89,20 +94,22 @@ class _SoftTargetTerms(torch.autograd.Function):
     argmax (none), where ``target`` is the teacher's softmax on rows ``label`` (the teacher rows of
     this step's positions), made from its draft-vocab logits and their logsumexp as it is read.
 
-    On CUDA: compiled kernels that gather the teacher rows as they read them; saves the logits in
-    their own dtype and recomputes the softmax in backward (half the activation memory per step in
-    bf16, and no per-step copy of the teacher). Elsewhere (eager, memory bound): one log-softmax
-    serves the loss, the overlap and the backward, which gets the fp32 softmax saved.
+    ``recompute`` (the default on CUDA): compiled kernels that gather the teacher rows as they
+    read them; saves the logits in their own dtype with their logsumexp and the target's row
+    sums, and the backward is one element-wise pass (half the activation memory per step in bf16
+    of a saved fp32 softmax, and no per-step copy of the teacher). Otherwise (eager, memory
+    bound): one log-softmax serves the loss, the overlap and the backward, which gets the fp32
+    softmax saved.
     """
 
     @staticmethod
-    def forward(ctx, logits, teacher_logits, teacher_lse, label, weight, log_mass):
+    def forward(ctx, logits, teacher_logits, teacher_lse, label, weight, log_mass, recompute):
         ctx.logits_dtype = logits.dtype
-        ctx.saved_softmax = not logits.is_cuda
-        if logits.is_cuda:
-            ctx.save_for_backward(logits, teacher_logits, teacher_lse, label, weight)
-            loss, overlap, argmax = fused(_soft_ce_and_overlap, logits.device)(
+        ctx.recompute = recompute
+        if recompute:
+            loss, overlap, argmax, lse, target_sum = fused(_soft_ce_and_overlap, logits.device)(
                 logits, teacher_logits, teacher_lse, label, weight, log_mass)
+            ctx.save_for_backward(logits, lse, teacher_logits, teacher_lse, label, target_sum, weight)
         else:
             target = _target(teacher_logits, teacher_lse, label)
             log_q = torch.log_softmax(logits.float(), dim=-1)
@@ -111,29 +118,32 @@ class _SoftTargetTerms(torch.autograd.Function):
             q = log_q.exp_()
             overlap = torch.minimum(q, target * log_mass.exp()[..., None]).sum(dim=-1)
             argmax = logits.argmax(dim=-1)
-            ctx.save_for_backward(q, target, weight)
+            ctx.save_for_backward(q, target, target.sum(dim=-1), weight)
         ctx.mark_non_differentiable(overlap, argmax)
         return loss, overlap, argmax
 
     @staticmethod
     def backward(ctx, grad, _overlap, _argmax):
-        if not ctx.saved_softmax:
-            logits, teacher_logits, teacher_lse, label, weight = ctx.saved_tensors
-            return (fused(_ce_grad, logits.device)(logits, teacher_logits, teacher_lse, label, weight, grad),
-                    None, None, None, None, None)
-        q, target, weight = ctx.saved_tensors
-        return _ce_grad_from_probs(q, target, weight, grad, ctx.logits_dtype), None, None, None, None, None
+        if ctx.recompute:
+            logits, *saved = ctx.saved_tensors
+            dlogits = fused(_ce_grad, logits.device)(logits, *saved, grad)
+        else:
+            q, target, target_sum, weight = ctx.saved_tensors
+            dlogits = _ce_grad_from_probs(q, target, target_sum, weight, grad, ctx.logits_dtype)
+        return dlogits, None, None, None, None, None, None
 
 
 def soft_target_terms(
     logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, label: torch.Tensor,
-    weight: torch.Tensor, log_mass: torch.Tensor,
+    weight: torch.Tensor, log_mass: torch.Tensor, *, recompute: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row-wise weighted soft cross-entropy against ``p = softmax(teacher_logits)[label]`` (given as
     the teacher's draft-vocab logits and their logsumexp ``teacher_lse``; fp32, gradient to
     ``logits`` only), the overlap ``Σ_v min(softmax(logits), p·exp(log_mass))`` and
-    ``logits.argmax(-1)`` (no gradients)."""
-    return _SoftTargetTerms.apply(logits, teacher_logits, teacher_lse, label, weight, log_mass)
+    ``logits.argmax(-1)`` (no gradients). ``recompute`` (default: on CUDA) picks how the backward
+    gets the softmax (:class:`_SoftTargetTerms`); both give the same gradient."""
+    recompute = logits.is_cuda if recompute is None else recompute
+    return _SoftTargetTerms.apply(logits, teacher_logits, teacher_lse, label, weight, log_mass, recompute)
 
 
 def noisy_features(aux: torch.Tensor, layers: int, scale: float) -> torch.Tensor:
@@ -171,6 +181,10 @@ def ttt_unroll(
         teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
                                   vocab_chunk=vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
+    # step k's token at position t is ids[t+1+k] (0 past the row's end): each is embedded and
+    # projected once for all steps (model.Eagle3DecoderLayer's doc)
+    with record_function("eagle3.tokens"):
+        tokens = draft.project_tokens(F.pad(ids.flatten(), (0, 1))[plan.token_index])
     attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans)
     keys, values, key_rows, steps = [], [], [], []
 
@@ -190,14 +204,13 @@ def ttt_unroll(
             with record_function("eagle3.attention"):  # step 0's keys (flash, flex or sdpa) + the same-position merge
                 return attention(q, idx, keys, values, key_rows, same_at=plan.same[k])
 
-        step_ids = F.pad(ids[:, 1 + k :], (0, k + 1)).flatten()[inputs][None]
         step_pos = (pos + k).flatten()[inputs][None]
+        rows = dict(tokens=tokens, token_rows=plan.token_rows[k], logit_rows=plan.here[k])
         if k == 0:
-            hidden, logits = draft(step_ids, step_pos, attend, aux_hidden=aux.flatten(0, 1)[plan.real][None],
-                                   queries=plan.queries0, logit_rows=plan.here[0])
+            hidden, logits = draft(None, step_pos, attend, aux_hidden=aux.flatten(0, 1)[plan.real][None],
+                                   queries=plan.queries0, **rows)
         else:
-            hidden, logits = draft(step_ids, step_pos, attend, hidden=take_rows(hidden, 1, plan.carry[k]),
-                                   logit_rows=plan.here[k])
+            hidden, logits = draft(None, step_pos, attend, hidden=take_rows(hidden, 1, plan.carry[k]), **rows)
 
         flat, label = plan.flat[k], plan.label[k]  # positions t with a step-k target; teacher index t+k
         logits = logits.squeeze(0)  # a view both ways (indexing [0] would copy into zeros in backward)
@@ -236,7 +249,10 @@ class UnrollPlan:
     - ``same[k]`` (k ≥ 1): for each step j = 1..k, ``rows[k]``'s indices among ``rows[j]`` (where
       the keys step j made at the queries' own positions are; ``[]`` at step 0);
     - ``spans`` (host ints): each sample's first index among ``real`` (a sample is a run of real
-      tokens of one row and seq id), then ``real``'s size: the attention's variable-length layout.
+      tokens of one row and seq id), then ``real``'s size: the attention's variable-length layout;
+    - ``token_index``: the tokens some step embeds, as indices into the flattened ids followed by
+      one 0 (step k's inputs at position t embed ``ids[t+1+k]``, or that 0 past the row's end);
+      ``token_rows[k]``: each of step k's inputs' index among them.
 
     Built on the host and sent to the device in one copy: the sizes are data-dependent, and
     working them out on the device would make the host wait for it at every step. Its input is
@@ -257,6 +273,8 @@ class UnrollPlan:
     teacher_index: torch.Tensor
     same: list
     spans: list
+    token_index: torch.Tensor
+    token_rows: list
 
     @classmethod
     def build(cls, attn, lm, seq, ttt_length: int, *, device, host=None) -> "UnrollPlan":
@@ -281,6 +299,7 @@ class UnrollPlan:
         spans = SampleSpans.of_rows(real, host[2].reshape(-1)[real], t).bounds
         carry, here, flat, label = [None] * ttt_length, [None] * ttt_length, [None] * ttt_length, [None] * ttt_length
         slots = [None if r is None else _host_slots(r, b * t) for r in rows]
+        token_index, token_rows = _token_rows([real if k == 0 else r for k, r in enumerate(rows)], t, b * t)
         same = [[] for _ in range(ttt_length)]
         for k in range(ttt_length):
             if rows[k] is None:
@@ -292,7 +311,8 @@ class UnrollPlan:
             flat[k] = rows[k][here[k]]
             label[k] = teacher_slot[flat[k] + k]
         # one host-to-device copy of every index, then views of it
-        parts = [real, queries0, teacher_index, *(x for group in (rows, carry, here, flat, label) for x in group if x is not None),
+        parts = [real, queries0, teacher_index, token_index,
+                 *(x for group in (rows, carry, here, flat, label, token_rows) for x in group if x is not None),
                  *(x for at in same for x in at)]
         sizes = [p.size for p in parts]
         packed = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
@@ -303,11 +323,21 @@ class UnrollPlan:
         else:
             valid_d = valid_h.to(device)
         views = iter(packed.split(sizes))
-        real_d, queries0_d, teacher_index_d = next(views), next(views), next(views)
-        groups = [[None if x is None else next(views) for x in group] for group in (rows, carry, here, flat, label)]
+        real_d, queries0_d, teacher_index_d, token_index_d = next(views), next(views), next(views), next(views)
+        groups = [[None if x is None else next(views) for x in group]
+                  for group in (rows, carry, here, flat, label, token_rows)]
         same_d = [[next(views) for _ in at] for at in same]
         return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], groups[3], groups[4], teacher_index_d,
-                   same_d, spans)
+                   same_d, spans, token_index_d, groups[5])
+
+
+def _token_rows(inputs: list, t: int, size: int) -> tuple[np.ndarray, list]:
+    """The tokens the steps embed (``UnrollPlan.token_index``) and each step's index among them
+    (``token_rows``; None where the step does not run), from each step's flattened input rows:
+    step k at position p embeds the id at p+1+k, or the pad at ``size`` past its row's end."""
+    reads = [None if x is None else np.where(x % t + 1 + k < t, x + 1 + k, size) for k, x in enumerate(inputs)]
+    index = np.unique(np.concatenate([r for r in reads if r is not None]))
+    return index, [None if r is None else np.searchsorted(index, r) for r in reads]
 
 
 def _host_slots(rows: np.ndarray, size: int) -> np.ndarray:

@@ -6,8 +6,8 @@ Target logits are ``last_hidden @ W^T`` (the post-final-norm hidden times the fr
 computed like the target computes them (in the head's dtype) and then read in fp32 (reference
 §2.2, §16.6). We stream over chunks of the vocabulary (and of the tokens) and keep only:
 
-- ``logits`` and ``lse``: the Vd draft-vocab logits (ascending target id = draft id order) and
-  their logsumexp; ``probs = exp(logits - lse)``, their softmax, is the soft target of the
+- ``logits`` and ``lse``: the Vd draft-vocab logits (ascending target id = draft id order; in
+  the head's dtype, which holds them exactly) and their fp32 logsumexp; ``probs = exp(logits - lse)``, their softmax, is the soft target of the
   cross-entropy, computed where it is read (the loss's compiled pass over each step's rows), so
   the teacher makes no normalising pass over its ``[N, Vd]`` block;
 - ``log_mass``: log of the target's full-vocab probability mass on the draft vocab, so that the
@@ -55,10 +55,11 @@ def softmax_from_lse(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_stats(logits: torch.Tensor, cols: torch.Tensor):
-    """Of one vocab chunk's logits ``[n, C]`` read in fp32: the draft columns ``cols`` and their
-    logsumexp, the max and its first index, and the logsumexp of all ``C`` (``cols`` not empty)."""
-    picked = logits.float()[:, cols]
-    return picked, torch.logsumexp(picked, dim=-1), *_chunk_stats_no_draft(logits)
+    """Of one vocab chunk's logits ``[n, C]``: the draft columns ``cols`` (in the logits' dtype)
+    and, read in fp32, their logsumexp, the max and its first index, and the logsumexp of all
+    ``C`` (``cols`` not empty)."""
+    picked = logits[:, cols]
+    return picked, torch.logsumexp(picked.float(), dim=-1), *_chunk_stats_no_draft(logits)
 
 
 def _chunk_stats_no_draft(logits: torch.Tensor):
@@ -95,8 +96,8 @@ def compute_teacher(
 ) -> Teacher:
     """Teacher of every position of ``last_hidden [..., Ht]`` under head ``lm_head_weight [V, Ht]``.
 
-    ``t2d`` is the bool ``[V]`` draft-vocab mask. Logits are ``(h.to(W.dtype) @ W_chunk^T).float()``;
-    softmax, logsumexp and argmax run in fp32. No gradient.
+    ``t2d`` is the bool ``[V]`` draft-vocab mask. Logits are ``h.to(W.dtype) @ W_chunk^T``, kept in
+    that dtype (``Teacher.logits``); softmax, logsumexp and argmax read them in fp32. No gradient.
     """
     if lm_head_weight.device.type == "cpu":
         vocab_chunk = min(vocab_chunk, CPU_VOCAB_CHUNK)
@@ -108,7 +109,9 @@ def compute_teacher(
 
     device = hidden.device
     cuda = device.type == "cuda"
-    draft_logits = torch.empty(n, draft_ids.numel(), dtype=torch.float32, device=device)
+    # the draft columns in the head's dtype, the logits' own: every value is exact there, and the
+    # loss's passes over them (forward and backward, every unrolled step) read half the bytes of fp32
+    draft_logits = torch.empty(n, draft_ids.numel(), dtype=lm_head_weight.dtype, device=device)
     lse = torch.empty(n, dtype=torch.float32, device=device)
     draft_lse = torch.empty(n, dtype=torch.float32, device=device)
     argmax = torch.empty(n, dtype=torch.long, device=device)
@@ -144,7 +147,7 @@ def compute_teacher(
         argmax[t0 : t0 + h.shape[0]] = run_arg
 
     if not cuda:  # on CUDA each chunk's pass gave its part
-        draft_lse = torch.logsumexp(draft_logits, dim=-1)
+        draft_lse = torch.logsumexp(draft_logits.float(), dim=-1)
     return Teacher(
         logits=draft_logits.reshape(*lead, draft_ids.numel()),
         lse=draft_lse.reshape(lead),

@@ -200,34 +200,44 @@ def test_flash_handed_its_own_output_would_miss_the_log_sum_exp_gradient(monkeyp
     assert (gs[q] - gf[q]).abs().max().item() / gs[q].abs().max().item() > 1e-2
 
 
-def _cuda_flash_vs_fp32_sdpa():
-    """Per parameter, ‖flash bf16 grad − sdpa fp32 grad‖ / ‖sdpa fp32 grad‖ on a packed, padded
-    CUDA batch, and the two losses."""
-    W = target_head(5, 24).cuda()
-    batch = {k: v.cuda() for k, v in random_batch(seed=5, lengths=[40, 29, 33], T=40, target_hidden=24).items()}
+def _bf16_errors(device, backends=("sdpa", "flash")):
+    """Per backend run in bf16 and per parameter, ‖grad − sdpa fp32 grad‖ / ‖sdpa fp32 grad‖ on a
+    packed, padded batch, and the losses (``"fp32"``: the reference's)."""
+    W = target_head(5, 24).to(device)
+    batch = {k: v.to(device) for k, v in random_batch(seed=5, lengths=[40, 29, 33], T=40, target_hidden=24).items()}
     batch["seq_ids"] = torch.zeros_like(batch["input_ids"])
     batch["seq_ids"][0, 17:] = 1  # row 0 holds two samples
-    want = grads_by_backend(("sdpa",), batch, W, torch.float32, "cuda", head_dim=32)["sdpa"]
-    got = grads_by_backend(("flash",), batch, W, torch.bfloat16, "cuda", head_dim=32)["flash"]
-    return {n: ((got[2][n] - g).norm() / g.norm()).item() for n, g in want[2].items()}, want[0], got[0]
+    want = grads_by_backend(("sdpa",), batch, W, torch.float32, device, head_dim=32)["sdpa"]
+    errors, losses = {}, {"fp32": want[0]}
+    for backend in backends:
+        got = grads_by_backend((backend,), batch, W, torch.bfloat16, device, head_dim=32)[backend]
+        errors[backend] = {n: ((got[2][n] - g).norm() / g.norm()).item() for n, g in want[2].items()}
+        losses[backend] = got[0]
+    return errors, losses
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's varlen kernels are CUDA only")
-def test_flash_in_bf16_trains_like_sdpa_in_fp32_on_cuda():
-    """bf16 rounding moves a gradient by ≈ 1 % in norm; the block handed its own output instead of
-    the merged one moves the attention's by ≈ 10–30 % (the test below)."""
-    errors, loss_sdpa, loss_flash = _cuda_flash_vs_fp32_sdpa()
-    assert abs(loss_sdpa - loss_flash) < 2e-2 * max(1.0, abs(loss_sdpa))
-    assert max(errors.values()) < 5e-2, errors
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's varlen kernels are CUDA only")
-def test_the_cuda_check_above_fails_without_the_merged_output(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_in_bf16_trains_as_close_to_fp32_as_sdpa_in_bf16(device):
+    """bf16 rounding alone moves this tiny draft's gradients by ≈ 5–9 % in norm (sdpa and flash
+    alike, measured on the CPU and an H200); flash stays within that, while the block handed its
+    own output instead of the merged one moves them by ≈ 15–28 % (the test below)."""
+    errors, losses = _bf16_errors(device)
+    assert abs(losses["flash"] - losses["fp32"]) < 2e-2 * max(1.0, abs(losses["fp32"]))
+    for name, err in errors["flash"].items():
+        assert err < 1.5 * errors["sdpa"][name] + 1e-2, (name, err, errors["sdpa"][name])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_bf16_check_above_fails_without_the_merged_output(monkeypatch, device):
     from specforge_core.drafts.eagle3 import flash
 
     monkeypatch.setattr(flash.MergedOutput, "on_real_rows", lambda self: None)
-    errors, _, _ = _cuda_flash_vs_fp32_sdpa()
-    assert errors["midlayer.self_attn.q_proj.weight"] > 5e-2, errors
+    errors, _ = _bf16_errors(device)
+    q = "midlayer.self_attn.q_proj.weight"
+    assert errors["flash"][q] > 1.5 * errors["sdpa"][q] + 1e-2, (errors["flash"][q], errors["sdpa"][q])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no CPU backward; run on a CUDA machine")

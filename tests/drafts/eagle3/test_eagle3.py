@@ -146,6 +146,56 @@ def test_forward_with_logit_rows_scores_only_those_rows_and_keeps_every_hidden()
     torch.testing.assert_close(some_z, full_z[:, scored])
 
 
+def test_qkv_from_the_folded_weights_equal_the_projections_of_the_concatenated_input():
+    """q/k/v = {q,k,v}_proj(cat(input_layernorm(e), hidden_norm(h))), RoPE on q and k: the layer
+    computes them as the embedding half with the norm's weight folded in plus the hidden half."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    draft = tiny_draft(seed=9).double()
+    layer, attn = draft.midlayer, draft.midlayer.self_attn
+    g = torch.Generator().manual_seed(9)
+    e, h = torch.randn(2, 5, 24, generator=g, dtype=torch.float64), torch.randn(2, 5, 24, generator=g, dtype=torch.float64)
+    cos, sin = draft.rotary_emb(h, torch.arange(5).expand(2, 5))
+    weights = layer.qkv_weights()
+    got = layer.project_qkv(layer.project_embeddings(e, weights), h, cos, sin, weights.hidden)
+    x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(h)], dim=-1)
+    q, k, v = (proj(x).view(2, 5, -1, attn.head_dim).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    for a, b in zip(got, (q, k, v)):
+        torch.testing.assert_close(a, b)
+
+
+def test_forward_on_projected_tokens_equals_the_forward_on_their_ids():
+    """The unroll's path: the tokens' embedding half of q/k/v projected once (with
+    input_layernorm's weight folded into the matrix), each step reading its rows of it, gives the
+    same outputs and gradients as embedding each step's ids."""
+    draft = tiny_draft(seed=8).double()
+    ids, aux, pos = torch.randint(24, (1, 6)), torch.randn(1, 6, 72, dtype=torch.float64), torch.arange(6)[None]
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+
+    def attend(q, k, v):
+        groups = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=causal[None, None]
+        )
+
+    def run(**how):
+        draft.zero_grad()
+        hidden, logits = draft(position_ids=pos, attend=attend, aux_hidden=aux, **how)
+        (hidden.sum() + logits.pow(2).sum()).backward()
+        return hidden, logits, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+    vocab_ids = torch.tensor([5, 0, 17, 3, 9, 11, 2])  # tokens in some order; the rows pick them
+    rows = torch.tensor([3, 6, 2, 0, 4, 1])
+    want = run(input_ids=vocab_ids[rows][None])
+    got = run(input_ids=None, tokens=draft.project_tokens(vocab_ids), token_rows=rows)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert got[2].keys() == want[2].keys() and "midlayer.input_layernorm.weight" in got[2]
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], msg=name)
+
+
 def test_step_default_mask_is_causal_over_new_rows_after_all_past_rows():
     # float64 and seeded inputs: split-versus-whole differs only by summation order, so a
     # tight tolerance separates a wrong mask (differences of order 1) from rounding.

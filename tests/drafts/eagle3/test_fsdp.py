@@ -1,5 +1,7 @@
-"""The objective drives the draft only through forward calls, so FSDP2 (fully_shard) sees every
-parameter use: a sharded draft gives the unsharded loss and gradients (2 gloo ranks on CPU)."""
+"""The objective sharded as the trainer shards it: one FSDP2 unit (``fully_shard``) over the
+trainer's root (``runtime.trainer.TrainStep``), whose forward runs the whole unroll, so every
+parameter use (the draft's forward calls and the q/k/v weights the step folds once) falls inside
+it. A sharded draft gives the unsharded loss and gradients (2 gloo ranks on CPU)."""
 
 import os
 import socket
@@ -16,13 +18,17 @@ def _sharded_worker(rank, world, port, queue):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    from specforge_core.runtime.trainer import TrainStep
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     draft = tiny_draft(seed=12)
-    fully_shard(draft.midlayer)
-    fully_shard(draft)
+    W = target_head(12, 24)
+    root = TrainStep(draft, lambda d, batch: eagle3_loss(d, batch, W, ttt_length=4, backend="sdpa"))
+    frozen = [p for p in root.parameters() if not p.requires_grad]
+    fully_shard(root, reshard_after_forward=False, ignored_params=set(frozen))  # as runtime.optim.shard does
     batch = random_batch(seed=12, lengths=[9, 7], T=9, target_hidden=24)
-    loss, _ = eagle3_loss(draft, batch, target_head(12, 24), ttt_length=4, backend="sdpa")
+    loss, _ = root(batch)
     loss.backward()
     grads = {n: p.grad.full_tensor().tolist() for n, p in draft.named_parameters() if p.requires_grad}
     if rank == 0:
@@ -34,7 +40,7 @@ def _sharded_worker(rank, world, port, queue):
 
 
 @pytest.mark.slow
-def test_fully_sharded_draft_gives_the_unsharded_loss_and_gradients():
+def test_draft_sharded_as_the_trainer_shards_it_gives_the_unsharded_loss_and_gradients():
     import torch.multiprocessing as mp
 
     draft = tiny_draft(seed=12)
@@ -46,7 +52,11 @@ def test_fully_sharded_draft_gives_the_unsharded_loss_and_gradients():
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").Queue()
     workers = mp.start_processes(_sharded_worker, args=(2, port, queue), nprocs=2, start_method="spawn", join=False)
-    sharded_loss, sharded_grads = queue.get()  # before join: the worker exits only once this is read
+    try:  # before join: the worker exits only once this is read
+        sharded_loss, sharded_grads = queue.get(timeout=300)
+    except Exception:  # a worker that failed never puts: its error, not a hang
+        workers.join(timeout=30)
+        raise
     while not workers.join():
         pass
     assert abs(sharded_loss - loss.item()) < 1e-6

@@ -35,7 +35,7 @@ def test_argmax_tie_across_chunks_takes_the_first_index_like_torch_argmax():
     assert teacher.argmax.tolist() == [2]
 
 
-def test_logits_are_computed_in_the_head_dtype_then_read_in_fp32():
+def test_logits_are_computed_and_kept_in_the_head_dtype_then_read_in_fp32():
     g = torch.Generator().manual_seed(2)
     h, W = torch.randn(4, 32, generator=g), torch.randn(64, 32, generator=g).bfloat16()
     t2d = torch.ones(64, dtype=torch.bool)
@@ -44,6 +44,9 @@ def test_logits_are_computed_in_the_head_dtype_then_read_in_fp32():
     in_fp32 = torch.softmax(h @ W.float().T, -1)
     torch.testing.assert_close(teacher.probs, in_head_dtype, atol=1e-6, rtol=1e-5)
     assert (teacher.probs - in_fp32).abs().max() > 1e-3  # the dtype is visible at this tolerance
+    # kept in the head's dtype, exactly the values the head computed
+    assert teacher.logits.dtype == torch.bfloat16 and teacher.lse.dtype == torch.float32
+    assert torch.equal(teacher.logits, h.bfloat16() @ W.T)
 
 
 def test_a_map_changed_in_place_gives_the_new_maps_teacher():
