@@ -13,9 +13,10 @@ mask over the last 75% of each row (``--supervised``). Every variant trains the 
 same process, so a shared machine's load hits them alike; ``uptime`` is printed with each figure.
 
 Per step it times: ``capture`` (target forward), ``teacher`` (compute_teacher), ``draft[k]``
-(the draft forward of TTT step k), ``loss`` (soft CE, argmax, overlap between draft forwards),
-``fsdp`` (root forward minus the objective: FSDP's pre/post-forward), ``backward``, ``optim``
-(clip + AdamW + schedule) and ``other``. Tokens/s counts real tokens, capture included.
+(the draft forward of TTT step k), ``loss`` (soft CE, argmax, overlap between draft forwards;
+also the tokens' embedding half of q/k/v, projected once before them), ``fsdp`` (root forward
+minus the objective: FSDP's pre/post-forward), ``backward``, ``optim`` (clip + AdamW +
+schedule) and ``other``. Tokens/s counts real tokens, capture included.
 
 ``--variants fsdp,specforge`` trains the peer beside ours on the same captured batches:
 SpecForge 0.2.0's ``LlamaForCausalLMEagle3`` (sdpa) inside its ``OnlineEagle3Model`` (TTT 7, its

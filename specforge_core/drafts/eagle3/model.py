@@ -101,8 +101,10 @@ class Eagle3DecoderLayer(nn.Module):
     further on. So the training step projects each token's embedding once
     (:meth:`project_embeddings`, with the norm's weight folded into the matrix) and every step
     adds the rows it reads to its hidden half (:meth:`project_qkv`). That is the same sum, with
-    the embedding half's matmuls done once instead of once per step, and its backward needs no
-    gradient for the frozen embeddings.
+    the embedding half's matmuls done once instead of once per step; and the backward no longer
+    makes the embedding half's input gradient, which only ``input_layernorm``'s weight needed
+    (it now gets its gradient through the folded matrix). Decoding (no ``weights``) keeps the
+    serving order: the concatenated input through ``q/k/v_proj``.
 
     ``compiled_regions``: the two halves around the attention, each one ``torch.compile`` region
     with ``training.compile`` on CUDA (``runtime.compile.compile_pointwise``)."""
@@ -155,15 +157,20 @@ class Eagle3DecoderLayer(nn.Module):
         h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, nh * hd))
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def forward(self, embedded, hidden, cos, sin, attend: Callable, queries: torch.Tensor | None = None,
+    def forward(self, x, hidden, cos, sin, attend: Callable, queries: torch.Tensor | None = None,
                 weights: QKVWeights | None = None) -> torch.Tensor:
         """The layer with the attention pattern supplied by ``attend(q, k, v) -> [B,nh,Tq,hd]``.
 
-        ``embedded``: the rows' embedding half of q/k/v (:meth:`project_embeddings` with
-        ``weights``, made here from ``qkv_weights()`` when not given). ``queries``: index along T
-        of the rows to compute outputs for (default all); keys and values are made for every row."""
-        weights = self.qkv_weights() if weights is None else weights
-        q, k, v = self.project_qkv(embedded, hidden, cos, sin, weights.hidden)
+        With ``weights`` (the training unroll), ``x`` is the rows' embedding half of q/k/v
+        (:meth:`project_embeddings` with those weights); without, ``x`` is the rows' token
+        embeddings and q/k/v are made from the concatenated input in the serving order
+        (decoding: one call per draft token, nothing to share). ``queries``: index along T of the
+        rows to compute outputs for (default all); keys and values are made for every row."""
+        if weights is None:
+            x = torch.cat([self.input_layernorm(x), self.hidden_norm(hidden)], dim=-1)
+            q, k, v = self.self_attn.project(x, cos, sin)
+        else:
+            q, k, v = self.project_qkv(x, hidden, cos, sin, weights.hidden)
         if queries is not None:  # distinct rows: the backward copies into place (rows.take_rows)
             q, hidden = take_rows(q, 2, queries), take_rows(hidden, 1, queries)
         return self.complete(hidden, attend(q, k, v))
@@ -273,7 +280,7 @@ class Eagle3DraftModel(nn.Module):
 
         ``input_ids [B,T]`` are the tokens following each row's hidden state, or with ``tokens``
         (:meth:`project_tokens`, B = 1) None and ``token_rows [T]`` the index of each row's token
-        among them. ``position_ids [B,T]`` are their RoPE positions, ``attend(q, k, v)`` the
+        among them (without repeats: ``rows.take_rows``). ``position_ids [B,T]`` are their RoPE positions, ``attend(q, k, v)`` the
         attention over this step's q/k/v (``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]``, rotated) and
         whatever keys it keeps. Give ``aux_hidden`` (first step: ``project_hidden`` is applied) or
         the carried ``hidden``. ``queries`` (a long index along T, without repeats) restricts the
@@ -286,15 +293,14 @@ class Eagle3DraftModel(nn.Module):
             with record_function("eagle3.fc"):
                 hidden = self.project_hidden(aux_hidden)
         if tokens is None:
-            weights = self.midlayer.qkv_weights()
-            embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-            embedded = self.midlayer.project_embeddings(embeds, weights)
+            weights, x = None, self.embed_tokens(input_ids).to(hidden.dtype)
         else:
-            weights = tokens.weights
-            embedded = take_rows(tokens.rows, 0, token_rows)[None]
+            if input_ids is not None or token_rows is None:
+                raise ValueError("with tokens= give token_rows= (each row's index among them) and input_ids=None")
+            weights, x = tokens.weights, take_rows(tokens.rows, 0, token_rows)[None]
         cos, sin = self.rotary_emb(hidden, position_ids)
         with record_function("eagle3.layer"):
-            hidden = self.midlayer(embedded, hidden, cos, sin, attend, queries, weights)
+            hidden = self.midlayer(x, hidden, cos, sin, attend, queries, weights)
         scored = hidden if logit_rows is None else take_rows(hidden, 1, logit_rows)
         with record_function("eagle3.lm_head"):
             return hidden, self.compute_logits(scored)
@@ -339,10 +345,9 @@ class Eagle3DraftModel(nn.Module):
                 scale=self.midlayer.self_attn.scaling,
             )
 
-        weights = self.midlayer.qkv_weights()
-        embedded = self.midlayer.project_embeddings(self.embed_tokens(input_ids).to(hidden.dtype), weights)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        return self.midlayer(embedded, hidden, cos, sin, attend, weights=weights), new_rows[0]
+        return self.midlayer(embeds, hidden, cos, sin, attend), new_rows[0]
 
     # --- vocabulary map and embedding ------------------------------------------------------
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:

@@ -9,17 +9,18 @@ from specforge_core.drafts.eagle3.objective import soft_target_terms
 
 
 def terms_inputs(dtype, seed=0, n=9, vd=37, nt=13):
+    """Logits and teacher logits in ``dtype`` (the teacher keeps the head's dtype), fp32 lse."""
     g = torch.Generator().manual_seed(seed)
     logits = (3 * torch.randn(n, vd, generator=g)).to(dtype).requires_grad_()
-    teacher_logits = 3 * torch.randn(nt, vd, generator=g)
+    teacher_logits = (3 * torch.randn(nt, vd, generator=g)).to(dtype)
     label = torch.randperm(nt, generator=g)[:n]
     weight = (torch.rand(n, generator=g) < 0.7).float()
     log_mass = -torch.rand(nt, generator=g)[label]
-    return logits, teacher_logits, torch.logsumexp(teacher_logits, -1), label, weight, log_mass
+    return logits, teacher_logits, torch.logsumexp(teacher_logits.float(), -1), label, weight, log_mass
 
 
 def by_formula(logits, teacher_logits, label, weight, log_mass):
-    target = torch.softmax(teacher_logits[label], -1)
+    target = torch.softmax(teacher_logits[label].float(), -1)
     log_q = torch.log_softmax(logits.float(), -1)
     loss = -(target * log_q).sum(-1) * weight
     overlap = torch.minimum(log_q.exp(), target * log_mass.exp()[:, None]).sum(-1)

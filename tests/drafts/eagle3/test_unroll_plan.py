@@ -56,13 +56,15 @@ def test_the_plan_of_a_packed_padded_batch_equals_the_definitions():
         assert len(plan.same[k]) == k
         for j, at in enumerate(plan.same[k], start=1):
             assert plan.rows[j][at].tolist() == want
-        # the token each of step k's inputs embeds: ids[p+1+k] in its row, the pad (index b·t) past its end
+        # the token each of step k's inputs embeds: ids[p+1+k] in its row, its row's pad (index
+        # b·t + row) past its end; distinct within the step (their gradients are copies back)
         inputs = plan.real if k == 0 else rows
         assert plan.token_index[plan.token_rows[k]].tolist() == [
-            p + 1 + k if p % t + 1 + k < t else b * t for p in inputs.tolist()]
+            p + 1 + k if p % t + 1 + k < t else b * t + p // t for p in inputs.tolist()]
+        assert len(set(plan.token_rows[k].tolist())) == plan.token_rows[k].numel()
         previous = rows
     # each token is embedded once, and only the ones some step reads
-    assert plan.token_index.tolist() == sorted({p + 1 + k if p % t + 1 + k < t else b * t
+    assert plan.token_index.tolist() == sorted({p + 1 + k if p % t + 1 + k < t else b * t + p // t
                                                 for k in range(K) if plan.rows[k] is not None
                                                 for p in (plan.real if k == 0 else plan.rows[k]).tolist()})
 
