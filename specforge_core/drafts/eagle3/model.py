@@ -280,8 +280,8 @@ class Eagle3DraftModel(nn.Module):
 
         ``input_ids [B,T]`` are the tokens following each row's hidden state, or with ``tokens``
         (:meth:`project_tokens`, B = 1) None and ``token_rows [T]`` the index of each row's token
-        among them (without repeats: ``rows.take_rows``). ``position_ids [B,T]`` are their RoPE positions, ``attend(q, k, v)`` the
-        attention over this step's q/k/v (``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]``, rotated) and
+        among them (without repeats: ``rows.take_rows``). ``position_ids [B,T]`` are their RoPE
+        positions, ``attend(q, k, v)`` the attention over this step's q/k/v (``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]``, rotated) and
         whatever keys it keeps. Give ``aux_hidden`` (first step: ``project_hidden`` is applied) or
         the carried ``hidden``. ``queries`` (a long index along T, without repeats) restricts the
         outputs to those rows: keys and values are still made for every row, ``q`` and the results

@@ -139,8 +139,8 @@ def soft_target_terms(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row-wise weighted soft cross-entropy against ``p = softmax(teacher_logits)[label]`` (given as
     the teacher's draft-vocab logits, in the head's dtype, and their fp32 logsumexp
-    ``teacher_lse``; computed in fp32, gradient to ``logits`` only), the overlap ``Σ_v min(softmax(logits), p·exp(log_mass))`` and
-    ``logits.argmax(-1)`` (no gradients). ``recompute`` (default: on CUDA) picks how the backward
+    ``teacher_lse``; computed in fp32, gradient to ``logits`` only), the overlap
+    ``Σ_v min(softmax(logits), p·exp(log_mass))`` and ``logits.argmax(-1)`` (no gradients). ``recompute`` (default: on CUDA) picks how the backward
     gets the softmax (:class:`_SoftTargetTerms`); both give the same gradient."""
     recompute = logits.is_cuda if recompute is None else recompute
     return _SoftTargetTerms.apply(logits, teacher_logits, teacher_lse, label, weight, log_mass, recompute)
@@ -181,8 +181,8 @@ def ttt_unroll(
         teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
                                   vocab_chunk=vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
-    # step k's token at position t is ids[t+1+k] (0 past the row's end, one pad per row): each is embedded and
-    # projected once for all steps (model.Eagle3DecoderLayer's doc)
+    # step k's token at position t is ids[t+1+k] (0 past the row's end, one pad per row): each is
+    # embedded and projected once for all steps (model.Eagle3DecoderLayer's doc)
     with record_function("eagle3.tokens"):
         tokens = draft.project_tokens(F.pad(ids.flatten(), (0, b))[plan.token_index])
     attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans)
@@ -205,12 +205,12 @@ def ttt_unroll(
                 return attention(q, idx, keys, values, key_rows, same_at=plan.same[k])
 
         step_pos = (pos + k).flatten()[inputs][None]
-        rows = dict(tokens=tokens, token_rows=plan.token_rows[k], logit_rows=plan.here[k])
+        reads = dict(tokens=tokens, token_rows=plan.token_rows[k], logit_rows=plan.here[k])
         if k == 0:
             hidden, logits = draft(None, step_pos, attend, aux_hidden=aux.flatten(0, 1)[plan.real][None],
-                                   queries=plan.queries0, **rows)
+                                   queries=plan.queries0, **reads)
         else:
-            hidden, logits = draft(None, step_pos, attend, hidden=take_rows(hidden, 1, plan.carry[k]), **rows)
+            hidden, logits = draft(None, step_pos, attend, hidden=take_rows(hidden, 1, plan.carry[k]), **reads)
 
         flat, label = plan.flat[k], plan.label[k]  # positions t with a step-k target; teacher index t+k
         logits = logits.squeeze(0)  # a view both ways (indexing [0] would copy into zeros in backward)
@@ -337,8 +337,9 @@ def _token_rows(inputs: list, t: int, size: int) -> tuple[np.ndarray, list]:
     (``token_rows``; None where the step does not run), from each step's flattened input rows:
     step k at position p embeds the id at p+1+k, or its row's pad at ``size + p // t`` past the
     row's end (a pad per row keeps each step's indices distinct)."""
-    reads = [None if x is None else np.where(x % t + 1 + k < t, x + 1 + k, size + x // t) for k, x in enumerate(inputs)]
-    read = np.zeros(size + size // t, dtype=bool)  # a mask, not np.unique: the plan 2.5 -> 1.3 ms at 1x4096 (2 cores)
+    reads = [None if x is None else np.where(x % t + 1 + k < t, x + 1 + k, size + x // t)
+             for k, x in enumerate(inputs)]
+    read = np.zeros(size + size // t, dtype=bool)  # a mask, not np.unique: plan 2.5 -> 1.3 ms at 1x4096
     for r in reads:
         if r is not None:
             read[r] = True

@@ -7,9 +7,10 @@ computed like the target computes them (in the head's dtype) and then read in fp
 §2.2, §16.6). We stream over chunks of the vocabulary (and of the tokens) and keep only:
 
 - ``logits`` and ``lse``: the Vd draft-vocab logits (ascending target id = draft id order; in
-  the head's dtype, which holds them exactly) and their fp32 logsumexp; ``probs = exp(logits - lse)``, their softmax, is the soft target of the
-  cross-entropy, computed where it is read (the loss's compiled pass over each step's rows), so
-  the teacher makes no normalising pass over its ``[N, Vd]`` block;
+  the head's dtype, which holds them exactly) and their fp32 logsumexp;
+  ``probs = exp(logits - lse)``, their softmax, is the soft target of the cross-entropy,
+  computed where it is read (the loss's compiled pass over each step's rows), so the teacher
+  makes no normalising pass over its ``[N, Vd]`` block;
 - ``log_mass``: log of the target's full-vocab probability mass on the draft vocab, so that the
   un-renormalised target probabilities of draft tokens are ``probs * exp(log_mass)``;
 - ``argmax``: the full-vocab target argmax (first index on ties, as ``torch.argmax``);

@@ -1,5 +1,5 @@
-"""The objective sharded as the trainer shards it: one FSDP2 unit (``fully_shard``) over the
-trainer's root (``runtime.trainer.TrainStep``), whose forward runs the whole unroll, so every
+"""The objective sharded as the trainer shards it (``runtime.optim.shard``): one FSDP2 unit over
+the trainer's root (``runtime.trainer.TrainStep``), whose forward runs the whole unroll, so every
 parameter use (the draft's forward calls and the q/k/v weights the step folds once) falls inside
 it. A sharded draft gives the unsharded loss and gradients (2 gloo ranks on CPU)."""
 
@@ -16,17 +16,19 @@ from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
 
 def _sharded_worker(rank, world, port, queue):
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
 
+    from specforge_core.runtime.distributed import Dist
+    from specforge_core.runtime.optim import shard
     from specforge_core.runtime.trainer import TrainStep
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    d = Dist(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo",
+             mesh=init_device_mesh("cpu", (world,)))
     draft = tiny_draft(seed=12)
     W = target_head(12, 24)
-    root = TrainStep(draft, lambda d, batch: eagle3_loss(d, batch, W, ttt_length=4, backend="sdpa"))
-    frozen = [p for p in root.parameters() if not p.requires_grad]
-    fully_shard(root, reshard_after_forward=False, ignored_params=set(frozen))  # as runtime.optim.shard does
+    root = shard(TrainStep(draft, lambda dr, batch: eagle3_loss(dr, batch, W, ttt_length=4, backend="sdpa")), d)
     batch = random_batch(seed=12, lengths=[9, 7], T=9, target_hidden=24)
     loss, _ = root(batch)
     loss.backward()
