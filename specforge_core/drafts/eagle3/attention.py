@@ -12,7 +12,9 @@ The unroll computes each step on *rows*: flattened positions ``b·T + t`` of the
 ascending. Step 0's rows are the real tokens (every one is a key); step k's rows are a subset of
 step k-1's, and the queries of step 0 may be a subset of its keys' rows.
 ``TTTAttention(attention_mask, seq_ids, backend)(q, q_rows, keys, values, key_rows)`` takes the
-queries of the current step and the keys/values of steps 0..k on their rows.
+queries of the current step and the keys/values of steps 0..k on their rows, rows first
+(``[1, rows, heads, hd]``: the layout of the projection and of FlashAttention, so no step
+transposes them, nor their gradients).
 
 Three backends, same numbers:
 
@@ -147,12 +149,12 @@ class TTTAttention:
         key_rows: list[torch.Tensor],
         same_at: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``q [1,nh,n,hd]``: the current step's queries on ``q_rows``; ``keys``/``values``: steps
-        0..k, ``[1,nkv,n_j,hd]`` on ``key_rows[j]`` (step 0's: the real tokens; step j's must hold
+        """``q [1,n,nh,hd]``: the current step's queries on ``q_rows``; ``keys``/``values``: steps
+        0..k, ``[1,n_j,nkv,hd]`` on ``key_rows[j]`` (step 0's: the real tokens; step j's must hold
         ``q_rows``). ``same_at`` (optional, steps 1..k): the queries' indices among
         ``key_rows[j]``, where the caller has them (the unroll's plan does); worked out here
-        otherwise. Returns the output ``[1,nh,n,hd]`` in ``q``'s dtype."""
-        nh, hd = q.shape[1], q.shape[3]
+        otherwise. Returns the output ``[1,n,nh,hd]`` in ``q``'s dtype."""
+        nh, hd = q.shape[2], q.shape[3]
         scale = hd**-0.5
         if self.backend is None:
             self.backend = resolve_backend(self.requested, q.device, q.dtype, hd)
@@ -164,22 +166,23 @@ class TTTAttention:
         else:
             out0, lse0, merged, at = self._step_zero_flash(q, keys[0], values[0], q_rows, scale, len(keys) > 1)
         if len(keys) == 1:
-            return out0.to(q.dtype).view(1, nh, -1, hd)
+            return out0.to(q.dtype).view(1, -1, nh, hd)
         # Steps 1..k: the key/value each step made at the query's own position.
         b, t = self.shape
         here = same_at if same_at is not None else [_slots(r, b * t)[q_rows] for r in key_rows[1:]]
         out = fused(_same_position_merge, q.device)(q, out0, lse0, keys[1:], values[1:], here, scale)
-        out = out.view(1, nh, -1, hd)
+        out = out.view(1, -1, nh, hd)
         if merged is not None:  # the step-0 block's backward reads it (flash.py)
-            merged.hold(out.squeeze(0).transpose(0, 1), at, self.real_rows.numel())
+            merged.hold(out.squeeze(0), at, self.real_rows.numel())
         return out
 
     def _step_zero_sdpa(self, q, key, value, rows, scale):
-        """Each sample's queries against its own step-0 keys: fp32 output ``[1,nkv,g,n,hd]`` and
-        log-sum-exp ``[1,nkv,g,n]``."""
-        nh, hd = q.shape[1], q.shape[3]
-        nkv = key.shape[1]
-        qg = q.view(nkv, nh // nkv, -1, hd)
+        """Each sample's queries against its own step-0 keys: fp32 output ``[1,n,nkv,g,hd]`` and
+        log-sum-exp ``[1,n,nkv,g]``."""
+        nh, hd = q.shape[2], q.shape[3]
+        nkv = key.shape[2]
+        qg = q[0].view(-1, nkv, nh // nkv, hd).permute(1, 2, 0, 3)  # [nkv, g, n, hd]
+        key, value = key[0].transpose(0, 1)[:, None], value[0].transpose(0, 1)[:, None]  # [nkv, 1, n0, hd]
         at = self.slot0[rows]  # each query's index among the step-0 rows (= its key)
         spans = self.spans.bounds
         bounds = torch.searchsorted(at, torch.tensor(spans, device=at.device)).tolist()
@@ -188,23 +191,24 @@ class TTTAttention:
             q0, q1 = bounds[s], bounds[s + 1]
             if q1 == q0:
                 continue
-            scores = (qg[:, :, q0:q1] @ key[0, :, None, k0:k1].transpose(-1, -2)).float() * scale
+            scores = (qg[:, :, q0:q1] @ key[:, :, k0:k1].transpose(-1, -2)).float() * scale
             causal = torch.arange(k0, k1, device=at.device)[None, :] <= at[q0:q1, None]
             scores = scores.masked_fill(~causal, float("-inf"))
             lse = torch.logsumexp(scores, dim=-1)
             probs = torch.exp(scores - lse[..., None]).to(q.dtype)
-            outs.append((probs @ value[0, :, None, k0:k1]).float())
+            outs.append((probs @ value[:, :, k0:k1]).float())
             lses.append(lse)
         if not outs:  # no queries (a batch without targets)
-            return q.new_zeros(1, nkv, nh // nkv, 0, hd, dtype=torch.float32), q.new_zeros(1, nkv, nh // nkv, 0)
-        return torch.cat(outs, dim=2)[None], torch.cat(lses, dim=2)[None]
+            return q.new_zeros(1, 0, nkv, nh // nkv, hd, dtype=torch.float32), q.new_zeros(1, 0, nkv, nh // nkv)
+        return (torch.cat(outs, dim=2).permute(2, 0, 1, 3).contiguous()[None],
+                torch.cat(lses, dim=2).permute(2, 0, 1).contiguous()[None])
 
     def _step_zero_flash(self, q, key, value, rows, scale, merging: bool):
-        """FlashAttention over the real rows (queries scattered onto them): output ``[1,nkv,g,n,hd]``
-        in ``q``'s dtype, fp32 log-sum-exp ``[1,nkv,g,n]``, the box for the merged output (which
+        """FlashAttention over the real rows (queries scattered onto them): output ``[1,n,nkv,g,hd]``
+        in ``q``'s dtype, fp32 log-sum-exp ``[1,n,nkv,g]``, the box for the merged output (which
         the caller must fill when ``merging``) and the queries' indices among the real rows."""
-        nh, hd = q.shape[1], q.shape[3]
-        nkv = key.shape[1]
+        nh, hd = q.shape[2], q.shape[3]
+        nkv = key.shape[2]
         if q.is_cuda and not flash_supports(q.dtype, hd):
             raise ConfigError(
                 f"FlashAttention kernels take fp16/bf16 and a head size that is a multiple of 8 up to 256; "
@@ -214,22 +218,21 @@ class TTTAttention:
             )
         n_real = self.real_rows.numel()
         at = self.slot0[rows]
-        q_rows = q.squeeze(0).transpose(0, 1)
+        q_rows = q.squeeze(0)
         if rows.numel() != n_real:
             q_rows = q_rows.new_zeros(n_real, nh, hd).index_copy(0, at, q_rows)
         merged = MergedOutput(expected=merging)
-        out, lse = step_zero_flash(q_rows, key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1),
-                                   self.spans, scale, merged)
+        out, lse = step_zero_flash(q_rows, key.squeeze(0), value.squeeze(0), self.spans, scale, merged)
         if rows.numel() != n_real:
             out, lse = take_rows(out, 0, at), lse.index_select(1, at)
         g = nh // nkv
-        return out.transpose(0, 1).view(1, nkv, g, -1, hd), lse.view(1, nkv, g, -1), merged, at
+        return out.view(1, -1, nkv, g, hd), lse.t().view(1, -1, nkv, g), merged, at
 
     def _step_zero_flex(self, q, key, value, rows, scale):
         """flex attention over the padded grid (rows scattered to ``[B, T]``), gathered back."""
         b, t = self.shape
-        nh, hd = q.shape[1], q.shape[3]
-        nkv = key.shape[1]
+        nh, hd = q.shape[2], q.shape[3]
+        nkv = key.shape[2]
         if q.is_cuda and hd < 16:
             raise ConfigError(
                 f"flex attention kernels need head_dim >= 16, the draft has {hd}",
@@ -246,8 +249,8 @@ class TTTAttention:
             block_mask=self.block_mask, scale=scale, enable_gqa=nh != nkv, return_aux=AuxRequest(lse=True),
         )
         g = nh // nkv
-        out0 = _from_grid(out0, rows).view(1, nkv, g, -1, hd).float()
-        lse0 = _from_grid(aux.lse[..., None], rows).view(1, nkv, g, -1).float()
+        out0 = _from_grid(out0, rows).view(1, -1, nkv, g, hd).float()
+        lse0 = _from_grid(aux.lse[..., None], rows).view(1, -1, nkv, g).float()
         return out0, lse0
 
 
@@ -259,46 +262,46 @@ def _slots(rows: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _to_grid(x: torch.Tensor, rows: torch.Tensor, b: int, t: int) -> torch.Tensor:
-    """``[1, heads, n, hd]`` on ``rows`` → ``[B, heads, T, hd]``, zeros elsewhere (a view of
+    """``[1, n, heads, hd]`` on ``rows`` → ``[B, heads, T, hd]``, zeros elsewhere (a view of
     ``x`` when ``rows`` are every position: ascending and distinct, they are then ``0..B·T-1``)."""
-    heads, hd = x.shape[1], x.shape[3]
+    heads, hd = x.shape[2], x.shape[3]
     if rows.numel() == b * t:
-        return x.squeeze(0).view(heads, b, t, hd).transpose(0, 1)
-    grid = x.new_zeros(b * t, heads, hd).index_copy(0, rows, x.squeeze(0).transpose(0, 1))
+        return x.view(b, t, heads, hd).transpose(1, 2)
+    grid = x.new_zeros(b * t, heads, hd).index_copy(0, rows, x.squeeze(0))
     return grid.view(b, t, heads, hd).transpose(1, 2)
 
 
 def _from_grid(y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``[B, heads, T, hd]`` → ``[1, heads, n, hd]`` at ``rows`` (every position: a reshape)."""
+    """``[B, heads, T, hd]`` → ``[1, n, heads, hd]`` at ``rows`` (every position: a reshape)."""
     b, heads, t, hd = y.shape
-    if rows.numel() == b * t:
-        return y.transpose(0, 1).reshape(heads, b * t, hd)[None]
-    return take_rows(y.transpose(1, 2).reshape(b * t, heads, hd), 0, rows).transpose(0, 1)[None]
+    flat = y.transpose(1, 2).reshape(b * t, heads, hd)
+    return (flat if rows.numel() == b * t else take_rows(flat, 0, rows))[None]
 
 
 def _merge(out0: torch.Tensor, lse0: torch.Tensor, diag: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
-    """Softmax over (step-0 keys ∪ same-position keys) from the step-0 output ``out0 [...,n,hd]``
-    and log-sum-exp ``lse0 [...,n]`` and the same-position scores ``diag [...,n,k]`` (fp32)."""
+    """Softmax over (step-0 keys ∪ same-position keys) from the step-0 output ``out0 [...,hd]``
+    and log-sum-exp ``lse0 [...]`` and the same-position scores ``diag [...,k]`` (fp32); ``values``
+    broadcast against ``out0``."""
     top = torch.maximum(lse0, diag.amax(dim=-1))
     w0 = torch.exp(lse0 - top)
     wd = torch.exp(diag - top[..., None])
     norm = w0 + wd.sum(dim=-1)
     out = out0 * (w0 / norm)[..., None]
     for j, v in enumerate(values):
-        out = out + (wd[..., j] / norm)[..., None] * v[:, :, None].float()
+        out = out + (wd[..., j] / norm)[..., None] * v.float()
     return out
 
 
 def _same_position_merge(q, out0, lse0, keys, values, at, scale: float) -> torch.Tensor:
-    """The step-0 output ``out0`` / ``lse0`` (fp32 ``[1,nkv,g,n,(hd)]``) merged with the keys and
-    values ``[1,nkv,n_j,hd]`` steps 1..k made at each query's own position (``at[j]``: the
-    queries' indices among step j's rows); ``q [1,nh,n,hd]``. Returns ``[1,nkv,g,n,hd]`` in
+    """The step-0 output ``out0`` / ``lse0`` (fp32 ``[1,n,nkv,g,(hd)]``) merged with the keys and
+    values ``[1,n_j,nkv,hd]`` steps 1..k made at each query's own position (``at[j]``: the
+    queries' indices among step j's rows); ``q [1,n,nh,hd]``. Returns ``[1,n,nkv,g,hd]`` in
     ``q``'s dtype (cast inside the compiled region, backward included)."""
-    nkv, hd = keys[0].shape[1], q.shape[3]
-    qf = q.view(1, nkv, q.shape[1] // nkv, -1, hd).float()
+    nkv, hd = keys[0].shape[2], q.shape[3]
+    qf = q.view(1, -1, nkv, q.shape[2] // nkv, hd).float()
     # distinct rows: compiled, the gradient is a store into place, not index_add's atomics
-    same_keys = [take_rows(k, 2, i) for k, i in zip(keys, at)]
-    same_values = [take_rows(v, 2, i) for v, i in zip(values, at)]
-    # fp32 scores of each query against the same-position key of each later step [..., n, k]
-    diag = torch.stack([(qf * k[:, :, None].float()).sum(-1) for k in same_keys], dim=-1) * scale
+    same_keys = [take_rows(k, 1, i)[:, :, :, None] for k, i in zip(keys, at)]
+    same_values = [take_rows(v, 1, i)[:, :, :, None] for v, i in zip(values, at)]
+    # fp32 scores of each query against the same-position key of each later step [..., k]
+    diag = torch.stack([(qf * k.float()).sum(-1) for k in same_keys], dim=-1) * scale
     return _merge(out0, lse0, diag, same_values).to(q.dtype)

@@ -65,12 +65,12 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x [B,T,2H]`` → ``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]`` with RoPE applied to q and k."""
+        """``x [B,T,2H]`` → ``q [B,T,nh,hd]``, ``k, v [B,T,nkv,hd]`` with RoPE applied to q and k."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
         return q, k, v
 
 
@@ -133,33 +133,31 @@ class Eagle3DecoderLayer(nn.Module):
 
     def project_qkv(self, embedded: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     weight_hidden: torch.Tensor):
-        """q ``[B,nh,T,hd]``, k, v ``[B,nkv,T,hd]`` (RoPE on q and k) of the rows whose embedding
+        """q ``[B,T,nh,hd]``, k, v ``[B,T,nkv,hd]`` (RoPE on q and k) of the rows whose embedding
         half is ``embedded [B,T,O]`` (:meth:`project_embeddings`) and whose hidden is ``hidden``;
-        ``weight_hidden``: ``QKVWeights.hidden``."""
+        ``weight_hidden``: ``QKVWeights.hidden``. Rows first, as the projection lays them out: a
+        compiled region's backward receives its outputs' gradients contiguous in their shape, so
+        a heads-first output would make it transpose them (0.9 ms a step at Qwen3-8B shape)."""
         attn = self.self_attn
         b, t, o = embedded.shape
         normed = self.hidden_norm(hidden)
         qkv = torch.addmm(embedded.reshape(b * t, o), normed.reshape(b * t, -1), weight_hidden.t()).view(b, t, -1)
         nq, nkv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-        # RoPE in the [B, T, heads, hd] layout of the projection (its backward then writes the
-        # q/k/v gradient row by row; rotating after the transpose wrote it column-strided, a
-        # 0.9 ms kernel per step at Qwen3-8B shape), transposed after as a view
         q = q.view(b, t, attn.num_heads, attn.head_dim)
         k = k.view(b, t, attn.num_kv_heads, attn.head_dim)
-        v = v.view(b, t, attn.num_kv_heads, attn.head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q, k, v.view(b, t, attn.num_kv_heads, attn.head_dim)
 
     def complete(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual on the un-normed ``hidden`` plus the MLP block; ``attn`` is ``[B,nh,T,hd]``."""
-        b, nh, t, hd = attn.shape
-        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, nh * hd))
+        """Residual on the un-normed ``hidden`` plus the MLP block; ``attn`` is ``[B,T,nh,hd]``."""
+        h = hidden + self.self_attn.o_proj(attn.flatten(2))
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward(self, x, hidden, cos, sin, attend: Callable, queries: torch.Tensor | None = None,
                 weights: QKVWeights | None = None) -> torch.Tensor:
-        """The layer with the attention pattern supplied by ``attend(q, k, v) -> [B,nh,Tq,hd]``.
+        """The layer with the attention pattern supplied by ``attend(q, k, v) -> [B,Tq,nh,hd]``
+        (``q [B,Tq,nh,hd]``, ``k, v [B,T,nkv,hd]``: rows first, see :meth:`project_qkv`).
 
         With ``weights`` (the training unroll), ``x`` is the rows' embedding half of q/k/v
         (:meth:`project_embeddings` with those weights); without, ``x`` is the rows' token
@@ -172,7 +170,7 @@ class Eagle3DecoderLayer(nn.Module):
         else:
             q, k, v = self.project_qkv(x, hidden, cos, sin, weights.hidden)
         if queries is not None:  # distinct rows: the backward copies into place (rows.take_rows)
-            q, hidden = take_rows(q, 2, queries), take_rows(hidden, 1, queries)
+            q, hidden = take_rows(q, 1, queries), take_rows(hidden, 1, queries)
         return self.complete(hidden, attend(q, k, v))
 
 
@@ -281,7 +279,7 @@ class Eagle3DraftModel(nn.Module):
         ``input_ids [B,T]`` are the tokens following each row's hidden state, or with ``tokens``
         (:meth:`project_tokens`, B = 1) None and ``token_rows [T]`` the index of each row's token
         among them (without repeats: ``rows.take_rows``). ``position_ids [B,T]`` are their RoPE
-        positions, ``attend(q, k, v)`` the attention over this step's q/k/v (``q [B,nh,T,hd]``, ``k, v [B,nkv,T,hd]``, rotated) and
+        positions, ``attend(q, k, v)`` the attention over this step's q/k/v (``q [B,T,nh,hd]``, ``k, v [B,T,nkv,hd]``, rotated) and
         whatever keys it keeps. Give ``aux_hidden`` (first step: ``project_hidden`` is applied) or
         the carried ``hidden``. ``queries`` (a long index along T, without repeats) restricts the
         outputs to those rows: keys and values are still made for every row, ``q`` and the results
@@ -325,7 +323,8 @@ class Eagle3DraftModel(nn.Module):
         """
         new_rows = []
 
-        def attend(q, k, v):
+        def attend(q, k, v):  # the layer's rows-first q/k/v, heads first for sdpa and the cache
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
             new_rows.append((k, v))
             keys, values = k, v
             if past_key_values is not None:
@@ -343,7 +342,7 @@ class Eagle3DraftModel(nn.Module):
                 values.repeat_interleave(groups, dim=1),
                 attn_mask=mask[:, None],
                 scale=self.midlayer.self_attn.scaling,
-            )
+            ).transpose(1, 2)
 
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)

@@ -54,9 +54,9 @@ def attention_inputs(seed, B=2, T=9, nh=4, nkv=2, hd=8, steps=4, padded=True):
         keep = torch.rand(rows[-1].numel(), generator=g) < 0.8
         keep[-1] = True
         rows.append(rows[-1][keep])
-    keys = [torch.randn(1, nkv, r.numel(), hd, generator=g) for r in rows]
-    values = [torch.randn(1, nkv, r.numel(), hd, generator=g) for r in rows]
-    queries = [torch.randn(1, nh, r.numel(), hd, generator=g) for r in rows]
+    keys = [torch.randn(1, r.numel(), nkv, hd, generator=g) for r in rows]
+    values = [torch.randn(1, r.numel(), nkv, hd, generator=g) for r in rows]
+    queries = [torch.randn(1, r.numel(), nh, hd, generator=g) for r in rows]
     return queries, keys, values, rows, attention, seq
 
 
@@ -64,7 +64,7 @@ def dense_ttt_attention(q, q_rows, keys, values, rows, attention, seq):
     """Straight from the rule: one softmax over the visible step-0 keys and same-position keys."""
     T = attention.shape[1]
     k = len(rows) - 1
-    nh, nkv, hd = q.shape[1], keys[0].shape[1], q.shape[3]
+    nh, nkv, hd = q.shape[2], keys[0].shape[2], q.shape[3]
     out = torch.zeros_like(q)
     for i, flat in enumerate(q_rows.tolist()):
         b, t = divmod(flat, T)
@@ -72,10 +72,10 @@ def dense_ttt_attention(q, q_rows, keys, values, rows, attention, seq):
         same = [rows[j].tolist().index(flat) for j in range(1, k + 1)]
         for h in range(nh):
             g = h // (nh // nkv)
-            ks = [keys[0][0, g, j] for j in cand] + [keys[j][0, g, same[j - 1]] for j in range(1, k + 1)]
-            vs = [values[0][0, g, j] for j in cand] + [values[j][0, g, same[j - 1]] for j in range(1, k + 1)]
-            w = torch.softmax(torch.stack([q[0, h, i] @ key for key in ks]) / hd**0.5, dim=0)
-            out[0, h, i] = sum(wi * v for wi, v in zip(w, vs))
+            ks = [keys[0][0, j, g] for j in cand] + [keys[j][0, same[j - 1], g] for j in range(1, k + 1)]
+            vs = [values[0][0, j, g] for j in cand] + [values[j][0, same[j - 1], g] for j in range(1, k + 1)]
+            w = torch.softmax(torch.stack([q[0, i, h] @ key for key in ks]) / hd**0.5, dim=0)
+            out[0, i, h] = sum(wi * v for wi, v in zip(w, vs))
     return out
 
 
@@ -93,7 +93,7 @@ def test_each_backend_equals_the_dense_rule_on_cpu(k, backend):
 def test_step_zero_queries_may_be_a_subset_of_its_keys(backend):
     queries, keys, values, rows, attention, seq = attention_inputs(seed=5)
     subset = torch.tensor([0, 2, 3, 7, 10])
-    args = (queries[0][:, :, subset], rows[0][subset], keys[:1], values[:1], rows[:1])
+    args = (queries[0][:, subset], rows[0][subset], keys[:1], values[:1], rows[:1])
     with torch.no_grad():
         out = TTTAttention(attention, seq, backend)(*args)
     assert (out - dense_ttt_attention(*args, attention, seq)).abs().max() < 1e-5

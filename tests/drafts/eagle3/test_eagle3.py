@@ -103,25 +103,30 @@ def test_step_with_explicit_extra_rows_reproduces_the_ttt_unroll():
             assert (logits.double() - expected).abs().max() < 1e-5, k
 
 
+def sdpa_attend(mask: torch.Tensor):
+    """An ``attend`` for the layer: sdpa under ``mask [Tq, Tk]`` over its rows-first q/k/v
+    (``[B, T, heads, hd]``), grouped-query heads repeated."""
+
+    def attend(q, k, v):
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        groups = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask[None, None]
+        ).transpose(1, 2)
+
+    return attend
+
+
 def test_forward_with_queries_returns_those_rows_of_the_full_forward():
     """Keys and values come from every row; only the chosen rows are computed further."""
     draft = tiny_draft(seed=4)
     ids, aux, pos = torch.randint(24, (1, 6)), torch.randn(1, 6, 72), torch.arange(6)[None]
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
 
-    def attend(rows):
-        def fn(q, k, v):
-            groups = q.shape[1] // k.shape[1]
-            mask = causal[rows][None, None]
-            return F.scaled_dot_product_attention(
-                q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask
-            )
-        return fn
-
     rows = torch.tensor([1, 4, 5])
     with torch.no_grad():
-        full_h, full_z = draft(ids, pos, attend(torch.arange(6)), aux_hidden=aux)
-        some_h, some_z = draft(ids, pos, attend(rows), aux_hidden=aux, queries=rows)
+        full_h, full_z = draft(ids, pos, sdpa_attend(causal), aux_hidden=aux)
+        some_h, some_z = draft(ids, pos, sdpa_attend(causal[rows]), aux_hidden=aux, queries=rows)
     torch.testing.assert_close(some_h, full_h[:, rows])
     torch.testing.assert_close(some_z, full_z[:, rows])
 
@@ -131,11 +136,7 @@ def test_forward_with_logit_rows_scores_only_those_rows_and_keeps_every_hidden()
     ids, aux, pos = torch.randint(24, (1, 6)), torch.randn(1, 6, 72), torch.arange(6)[None]
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
 
-    def attend(q, k, v):
-        groups = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(
-            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=causal[None, None]
-        )
+    attend = sdpa_attend(causal)
 
     scored = torch.tensor([0, 3, 5])
     with torch.no_grad():
@@ -159,8 +160,8 @@ def test_qkv_from_the_folded_weights_equal_the_projections_of_the_concatenated_i
     weights = layer.qkv_weights()
     got = layer.project_qkv(layer.project_embeddings(e, weights), h, cos, sin, weights.hidden)
     x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(h)], dim=-1)
-    q, k, v = (proj(x).view(2, 5, -1, attn.head_dim).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    q, k, v = (proj(x).view(2, 5, -1, attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
     for a, b in zip(got, (q, k, v)):
         torch.testing.assert_close(a, b)
 
@@ -173,11 +174,7 @@ def test_forward_on_projected_tokens_equals_the_forward_on_their_ids():
     ids, aux, pos = torch.randint(24, (1, 6)), torch.randn(1, 6, 72, dtype=torch.float64), torch.arange(6)[None]
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
 
-    def attend(q, k, v):
-        groups = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(
-            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=causal[None, None]
-        )
+    attend = sdpa_attend(causal)
 
     def run(**how):
         draft.zero_grad()
