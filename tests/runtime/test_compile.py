@@ -28,6 +28,33 @@ def test_fused_compiles_only_for_cuda_and_only_when_allowed():
     assert comp.fused(_double, torch.device("cpu")) is _double
 
 
+def _scores(logits, teacher, label, keys):
+    return (logits.float().softmax(-1) * teacher[label].float()).sum(-1) + keys[0].sum((-1, -2))
+
+
+def test_fused_functions_compile_their_row_counts_symbolic_and_every_model_size_constant():
+    """One graph serves every row count (the unroll's change every step); the vocabulary, heads
+    and head size are constants in it, also for tensors in lists and rows after a leading 1."""
+    graphs = []
+
+    def capture(gm, example_inputs):  # the traced inputs' shapes, symbolic where dynamic
+        values = [node.meta["example_value"] for node in gm.graph.nodes if node.op == "placeholder"]
+        graphs.append([tuple(v.shape) for v in values if isinstance(v, torch.Tensor)])
+        return gm.forward
+
+    run = comp.rows_dynamic(torch.compile(_scores, dynamic=True, backend=capture))
+
+    for n in (5, 9, 12):
+        logits, teacher, label = torch.randn(n, 40), torch.randn(7, 40), torch.randint(7, (n,))
+        keys = [torch.randn(1, n, 2, 8)]
+        torch.testing.assert_close(run(logits, teacher, label, keys), _scores(logits, teacher, label, keys))
+    assert len(graphs) == 1
+    (logits, teacher, label, keys) = graphs[0]
+    assert all(isinstance(size, torch.SymInt) for size in (logits[0], teacher[0], label[0], keys[1]))
+    constants = (logits[1], teacher[1], keys[0], *keys[2:])  # a SymInt would compare equal by its hint
+    assert all(type(size) is int for size in constants) and constants == (40, 40, 1, 2, 8)
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_the_draft_builder_sets_fusion_from_training_compile(tiny_target_dir, compile):
     from specforge_core.drafts import get_family
