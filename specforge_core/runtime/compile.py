@@ -58,19 +58,19 @@ def rows_dynamic(compiled):
     """``compiled`` (a ``torch.compile(..., dynamic=True)`` function of rows) called with only
     its inputs' row counts symbolic.
 
-    The fused functions take tensors (also in lists) whose first dim of a size other than 1
-    holds the rows: their count changes every step. Every later dim is a size of the model
-    (vocabulary, heads, head size), marked static (``torch._dynamo.mark_static``) so the kernels
-    index with constants. Symbolic, the soft CE's backward over ``[n, 32000]`` logits divided
-    every element's flat index by a runtime int64 vocabulary size and could not vectorise its
-    bf16 loads: ≈ 1 TB/s on an H200, a quarter of its bandwidth."""
+    The fused functions take tensors (also in lists) that hold rows, whose count changes every
+    step: in dim 0 of a 1-D or 2-D tensor, in dim 1 of a larger one (the unroll's
+    ``[1, n, heads, ...]``). Every later dim is a size of the model (vocabulary, heads, head
+    size), marked static (``torch._dynamo.mark_static``) so the kernels index with constants;
+    no dim up to the rows is ever marked. Symbolic, the soft CE's backward over ``[n, 32000]``
+    logits divided every element's flat index by a runtime int64 vocabulary size and could not
+    vectorise its bf16 loads: ≈ 1 TB/s on an H200, a quarter of its bandwidth."""
 
     def run(*args):
         for arg in args:
             for x in arg if isinstance(arg, (list, tuple)) else (arg,):
                 if isinstance(x, torch.Tensor):
-                    rows = next((d for d, size in enumerate(x.shape) if size != 1), 0)
-                    for d in range(rows + 1, x.dim()):
+                    for d in range(1 if x.dim() <= 2 else 2, x.dim()):
                         torch._dynamo.mark_static(x, d)
         return compiled(*args)
 

@@ -33,8 +33,9 @@ def _scores(logits, teacher, label, keys):
 
 
 def test_fused_functions_compile_their_row_counts_symbolic_and_every_model_size_constant():
-    """One graph serves every row count (the unroll's change every step); the vocabulary, heads
-    and head size are constants in it, also for tensors in lists and rows after a leading 1."""
+    """One graph serves every row count (the unroll's change every step; a single row is its own
+    graph, as torch specialises sizes of 1); the vocabulary, heads and head size are constants in
+    both, also for tensors in lists and rows after a leading batch of one."""
     graphs = []
 
     def capture(gm, example_inputs):  # the traced inputs' shapes, symbolic where dynamic
@@ -43,16 +44,16 @@ def test_fused_functions_compile_their_row_counts_symbolic_and_every_model_size_
         return gm.forward
 
     run = comp.rows_dynamic(torch.compile(_scores, dynamic=True, backend=capture))
-
-    for n in (5, 9, 12):
+    for n in (5, 9, 12, 1):
         logits, teacher, label = torch.randn(n, 40), torch.randn(7, 40), torch.randint(7, (n,))
         keys = [torch.randn(1, n, 2, 8)]
         torch.testing.assert_close(run(logits, teacher, label, keys), _scores(logits, teacher, label, keys))
-    assert len(graphs) == 1
-    (logits, teacher, label, keys) = graphs[0]
-    assert all(isinstance(size, torch.SymInt) for size in (logits[0], teacher[0], label[0], keys[1]))
-    constants = (logits[1], teacher[1], keys[0], *keys[2:])  # a SymInt would compare equal by its hint
-    assert all(type(size) is int for size in constants) and constants == (40, 40, 1, 2, 8)
+    assert len(graphs) == 2
+    for (logits, teacher, label, keys), rows in zip(graphs, ("symbolic", 1)):
+        counts = (logits[0], label[0], keys[1])
+        assert all(isinstance(c, torch.SymInt) for c in counts) if rows == "symbolic" else counts == (1, 1, 1)
+        constants = (logits[1], teacher[1], keys[0], *keys[2:])  # a SymInt would compare equal by its hint
+        assert all(type(size) is int for size in constants) and constants == (40, 40, 1, 2, 8)
 
 
 @pytest.mark.parametrize("compile", [False, True])
