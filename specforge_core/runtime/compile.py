@@ -14,8 +14,8 @@ compiled always, it has no fast eager path):
   passes over the activations in eager mode, one fused kernel around the matmuls compiled; the
   EAGLE3 draft's decoder layer instead as two regions (``compiled_regions``: the hidden norm,
   q/k/v's hidden half added to the step's rows of the embedding half, RoPE; o_proj, residuals,
-  norm, MLP), whose dozens of small launches per unrolled step
-  the host otherwise issues one by one while the device waits;
+  norm, MLP), whose dozens of small launches per unrolled step the host otherwise issues one by
+  one while the device waits; their inputs' row counts symbolic, every other size constant;
 - :func:`fused` functions: the unroll's passes over ``[N, Vd]`` logits (soft CE, overlap, their
   backward), the teacher's per-chunk statistics and the same-position merge, a few fp32
   element-wise operations each that read their inputs once and gather as they read; compiled
@@ -54,25 +54,30 @@ def fused(fn, device: torch.device):
     return _COMPILED[fn]
 
 
-def rows_dynamic(compiled):
+def rows_dynamic(compiled, *, matrix_rows: bool = True):
     """``compiled`` (a ``torch.compile(..., dynamic=True)`` function of rows) called with only
     its inputs' row counts symbolic.
 
-    The fused functions take tensors (also in lists) that hold rows, whose count changes every
-    step: in dim 0 of a 1-D or 2-D tensor, in dim 1 of a larger one (the unroll's
-    ``[1, n, heads, ...]``). Every later dim is a size of the model (vocabulary, heads, head
-    size), marked static (``torch._dynamo.mark_static``) so the kernels index with constants;
-    no dim up to the rows is ever marked. Symbolic, the soft CE's backward over ``[n, 32000]``
-    logits divided every element's flat index by a runtime int64 vocabulary size and could not
-    vectorise its bf16 loads: ≈ 1 TB/s on an H200, a quarter of its bandwidth."""
+    The compiled functions take tensors (also in lists) that hold rows, whose count changes every
+    step: in dim 1 of a tensor of three or more dims (the unroll's ``[1, n, heads, ...]``), and,
+    with ``matrix_rows`` (the fused functions' ``[n, Vd]`` logits, ``[n]`` labels), in dim 0 of
+    a 1-D or 2-D one; without it (the layer's regions) a 1-D or 2-D input is a weight, every dim
+    static. Every dim after the rows is a size of the model (vocabulary, heads, head size),
+    marked static (``torch._dynamo.mark_static``) so the kernels index with constants; no dim up
+    to the rows is ever marked. Symbolic, the soft CE's backward over ``[n, 32000]`` logits
+    divided every element's flat index by a runtime int64 vocabulary size and could not
+    vectorise its bf16 loads (≈ 1 TB/s on an H200, a quarter of its bandwidth), and the RoPE
+    backward of the layer's q/k/v region, given its hidden-half weight as an input, divided by
+    the head size and head counts (0.57 ms a call for ≈ 100 MB, 4 ms a step)."""
+    lowest = 1 if matrix_rows else 0
 
-    def run(*args):
-        for arg in args:
+    def run(*args, **kwargs):
+        for arg in (*args, *kwargs.values()):
             for x in arg if isinstance(arg, (list, tuple)) else (arg,):
                 if isinstance(x, torch.Tensor):
-                    for d in range(1 if x.dim() <= 2 else 2, x.dim()):
+                    for d in range(lowest if x.dim() <= 2 else 2, x.dim()):
                         torch._dynamo.mark_static(x, d)
-        return compiled(*args)
+        return compiled(*args, **kwargs)
 
     return run
 
@@ -84,8 +89,10 @@ def compile_pointwise(root: nn.Module) -> int:
     to it).
 
     Returns how many were compiled. Modules of one class share one compiled graph (their
-    parameters are graph inputs); ``dynamic=True`` because token counts change every step.
-    Forward and backward both use the compiled kernels.
+    parameters are graph inputs, their sizes static); ``dynamic=True`` because token counts
+    change every step. A region's other inputs have only their rows symbolic
+    (:func:`rows_dynamic` without ``matrix_rows``: a 2-D input, such as the q/k/v weight the
+    training step folds once, is all static). Forward and backward both use the compiled kernels.
     """
     count = 0
     covered: set[int] = set()
@@ -95,7 +102,8 @@ def compile_pointwise(root: nn.Module) -> int:
         regions = getattr(type(module), "compiled_regions", ())
         if regions:
             for method in regions:
-                setattr(module, method, torch.compile(getattr(module, method), dynamic=True))
+                compiled = torch.compile(getattr(module, method), dynamic=True)
+                setattr(module, method, rows_dynamic(compiled, matrix_rows=False))
             covered.update(id(m) for m in module.modules())
             count += len(regions)
             continue

@@ -57,6 +57,33 @@ def test_fused_functions_compile_their_row_counts_symbolic_and_every_model_size_
         assert all(type(size) is int for size in constants) and constants == (40, 40, 1, 2, 8)
 
 
+def _project(x, weight, cos):
+    return (x @ weight.t()).view(*x.shape[:2], -1, cos.shape[-1]) * cos[:, :, None]
+
+
+def test_regions_compile_their_row_counts_symbolic_and_a_weight_given_as_input_constant():
+    """The layer's regions (matrix_rows=False): a 2-D input is a weight (the q/k/v hidden half
+    the training step folds), every one of its sizes a constant, like the heads and head size of
+    the rows-first inputs; only the rows (dim 1) are symbolic."""
+    graphs = []
+
+    def capture(gm, example_inputs):  # each input tensor's traced shape by its name (l_x_ for x)
+        values = {node.name[2:-1]: node.meta["example_value"] for node in gm.graph.nodes if node.op == "placeholder"}
+        graphs.append({name: tuple(v.shape) for name, v in values.items() if isinstance(v, torch.Tensor)})
+        return gm.forward
+
+    run = comp.rows_dynamic(torch.compile(_project, dynamic=True, backend=capture), matrix_rows=False)
+    weight = torch.randn(24, 16)
+    for n in (5, 9, 12):
+        x, cos = torch.randn(1, n, 16), torch.randn(1, n, 8)
+        torch.testing.assert_close(run(x, weight, cos=cos), _project(x, weight, cos))
+    assert len(graphs) == 1
+    x, weight, cos = (graphs[0][name] for name in ("x", "weight", "cos"))
+    assert isinstance(x[1], torch.SymInt) and isinstance(cos[1], torch.SymInt)
+    constants = (*weight, x[2], cos[2])
+    assert all(type(size) is int for size in constants) and constants == (24, 16, 16, 8)
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_the_draft_builder_sets_fusion_from_training_compile(tiny_target_dir, compile):
     from specforge_core.drafts import get_family
