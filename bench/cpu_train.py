@@ -13,8 +13,9 @@ mask over the last 75% of each row (``--supervised``). Every variant trains the 
 same process, so a shared machine's load hits them alike; ``uptime`` is printed with each figure.
 
 Per step it times: ``capture`` (target forward), ``teacher`` (compute_teacher), ``draft[k]``
-(the draft forward of TTT step k), ``loss`` (soft CE, argmax, overlap between draft forwards;
-also the tokens' embedding half of q/k/v, projected once before them), ``fsdp`` (root forward
+(the draft layer of TTT step k, without its logits), ``loss`` (the head's logits of every step's
+scored rows at once, soft CE, argmax, overlap; also the tokens' embedding half of q/k/v,
+projected once before the steps), ``fsdp`` (root forward
 minus the objective: FSDP's pre/post-forward), ``backward``, ``optim`` (clip + AdamW +
 schedule) and ``other``. Tokens/s counts real tokens, capture included.
 
@@ -147,18 +148,18 @@ def time_teacher() -> None:
 
 
 def time_draft_steps(draft: torch.nn.Module, clock: Clock) -> None:
-    """Time each draft forward: TTT step k is the k-th call within one objective."""
-    state = {"k": 0, "start": None}
+    """Time each draft step: TTT step k is the k-th ``next_hidden`` call within one objective."""
+    state = {"k": 0}
+    step = draft.next_hidden
 
-    def pre(module, args, kwargs):
-        state["start"] = now()
-
-    def post(module, args, kwargs, out):
-        clock.add(f"draft[{state['k']}]", state["start"])
+    def timed_step(*args, **kwargs):
+        start = now()
+        hidden = step(*args, **kwargs)
+        clock.add(f"draft[{state['k']}]", start)
         state["k"] += 1
+        return hidden
 
-    draft.register_forward_pre_hook(pre, with_kwargs=True)
-    draft.register_forward_hook(post, with_kwargs=True)
+    draft.next_hidden = timed_step
     clock.reset_step = lambda: state.update(k=0)
 
 

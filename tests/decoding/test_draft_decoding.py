@@ -40,6 +40,19 @@ def _draft(model, draft_vocab_size=None, seed=0, hot_start=0):
     return draft
 
 
+def _unrolled_hidden(draft, batch, lm_head_weight, steps=3):
+    """The pre-norm hidden of each training step's scored rows (``compute_logits(h) =
+    lm_head(norm(h))``, one call for all steps); with one sample of t tokens, every one
+    supervised, step k scores positions 0..t-2-k."""
+    scored = []
+    hook = draft.norm.register_forward_hook(lambda _m, inputs, _o: scored.append(inputs[0].detach()))
+    with torch.no_grad():
+        ttt_unroll(draft, batch, lm_head_weight, ttt_length=steps, backend="sdpa")
+    hook.remove()
+    t = batch["input_ids"].shape[1] if isinstance(batch, dict) else batch.input_ids.shape[1]
+    return scored[0].split([t - 1 - k for k in range(steps)], dim=1)
+
+
 def _prompt(tokenizer, text="what is the capital of France"):
     out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -56,15 +69,11 @@ def test_decode_time_draft_equals_the_training_unroll_at_steps_0_to_2(tiny):
     draft = _draft(model, draft_vocab_size=200, seed=1)
     ids = prompt + [5, 17, 42, 99, 7, 250, 3, 11]
     aux = target.start([ids]).aux[0]
-    unrolled = []  # the pre-norm hidden of every training step: compute_logits(h) = lm_head(norm(h))
-    hook = draft.norm.register_forward_hook(lambda _m, inputs, _o: unrolled.append(inputs[0].detach()))
     t = len(ids)
     batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, t, dtype=torch.long),
              "loss_mask": torch.ones(1, t, dtype=torch.long), "aux_hidden": aux[None],
              "last_hidden": torch.randn(1, t, model.config.hidden_size)}
-    with torch.no_grad():
-        ttt_unroll(draft, batch, model.lm_head.weight, ttt_length=3, backend="sdpa")
-    hook.remove()
+    unrolled = _unrolled_hidden(draft, batch, model.lm_head.weight)
     runner = DraftRunner(draft)
     p = len(prompt)
     runner.extend([(ids[1 : p + 1], aux[:p])])  # step-0 rows 0..p-1: the prefill
@@ -193,11 +202,7 @@ def test_on_smollm2_the_draft_fed_at_decode_equals_the_training_unroll_on_captur
     # every position supervised, so the unroll's output rows are the positions themselves
     batch = backend.capture(TargetRequest.from_rows([ids], [[1] * len(ids)], slice(0, 1)))
     draft = _draft(model, draft_vocab_size=8192, seed=3)
-    unrolled = []
-    hook = draft.norm.register_forward_hook(lambda _m, inputs, _o: unrolled.append(inputs[0].detach()))
-    with torch.no_grad():
-        ttt_unroll(draft, batch, backend.lm_head_weight, ttt_length=3, backend="sdpa")
-    hook.remove()
+    unrolled = _unrolled_hidden(draft, batch, backend.lm_head_weight)
 
     ends = list(range(p, len(ids) - 2))  # a round after step-0 rows 0..n-1, fed ids[n+1], ids[n+2]
     runner = DraftRunner(draft)

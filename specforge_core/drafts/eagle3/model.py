@@ -258,12 +258,20 @@ class Eagle3DraftModel(nn.Module):
     def project_tokens(self, token_ids: torch.Tensor) -> "ProjectedTokens":
         """Embed ``token_ids [N]`` and project their embedding half of q/k/v once
         (:class:`ProjectedTokens`): what a training step's unrolled steps read their rows from
-        (``forward(..., tokens=, token_rows=)``)."""
+        (``next_hidden(..., tokens=, token_rows=)``)."""
         weights = self.midlayer.qkv_weights()
         embeds = self.embed_tokens(token_ids).to(weights.hidden.dtype)
         return ProjectedTokens(self.midlayer.project_embeddings(embeds, weights), weights)
 
-    def forward(
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor, attend: Callable,
+                **rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for every row: ``(new pre-norm hidden [B,T,H], logits [B,T,Vd])``;
+        the arguments are :meth:`next_hidden`'s."""
+        hidden = self.next_hidden(input_ids, position_ids, attend, **rows)
+        with record_function("eagle3.lm_head"):
+            return hidden, self.compute_logits(hidden)
+
+    def next_hidden(
         self,
         input_ids: torch.Tensor | None,
         position_ids: torch.Tensor,
@@ -271,22 +279,20 @@ class Eagle3DraftModel(nn.Module):
         hidden: torch.Tensor | None = None,
         aux_hidden: torch.Tensor | None = None,
         queries: torch.Tensor | None = None,
-        logit_rows: torch.Tensor | None = None,
         tokens: "ProjectedTokens | None" = None,
         token_rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step for every row: ``(new pre-norm hidden [B,T,H], logits [B,T,Vd])``.
+    ) -> torch.Tensor:
+        """One draft step for every row without its logits: the new pre-norm hidden ``[B,T,H]``
+        (the training unroll scores the rows of all its steps in one :meth:`compute_logits`).
 
         ``input_ids [B,T]`` are the tokens following each row's hidden state, or with ``tokens``
         (:meth:`project_tokens`, B = 1) None and ``token_rows [T]`` the index of each row's token
         among them (without repeats: ``rows.take_rows``). ``position_ids [B,T]`` are their RoPE
-        positions, ``attend(q, k, v)`` the attention over this step's q/k/v (``q [B,T,nh,hd]``, ``k, v [B,T,nkv,hd]``, rotated) and
-        whatever keys it keeps. Give ``aux_hidden`` (first step: ``project_hidden`` is applied) or
-        the carried ``hidden``. ``queries`` (a long index along T, without repeats) restricts the
-        outputs to those rows: keys and values are still made for every row, ``q`` and the results
-        have ``Tq = len(queries)`` rows. ``logit_rows`` (a long index along the output rows, without
-        repeats) computes logits for those rows only (``[B, len(logit_rows), Vd]``): the rows
-        whose hidden is only carried to a later step.
+        positions, ``attend(q, k, v)`` the attention over this step's q/k/v (``q [B,T,nh,hd]``,
+        ``k, v [B,T,nkv,hd]``, rotated) and whatever keys it keeps. Give ``aux_hidden`` (first
+        step: ``project_hidden`` is applied) or the carried ``hidden``. ``queries`` (a long index
+        along T, without repeats) restricts the outputs to those rows: keys and values are still
+        made for every row, ``q`` and the result have ``Tq = len(queries)`` rows.
         """
         if aux_hidden is not None:
             with record_function("eagle3.fc"):
@@ -299,10 +305,7 @@ class Eagle3DraftModel(nn.Module):
             weights, x = tokens.weights, take_rows(tokens.rows, 0, token_rows)[None]
         cos, sin = self.rotary_emb(hidden, position_ids)
         with record_function("eagle3.layer"):
-            hidden = self.midlayer(x, hidden, cos, sin, attend, queries, weights)
-        scored = hidden if logit_rows is None else take_rows(hidden, 1, logit_rows)
-        with record_function("eagle3.lm_head"):
-            return hidden, self.compute_logits(scored)
+            return self.midlayer(x, hidden, cos, sin, attend, queries, weights)
 
     def step(
         self,

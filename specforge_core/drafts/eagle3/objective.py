@@ -92,14 +92,16 @@ class _SoftTargetTerms(torch.autograd.Function):
     """Per row, in fp32: the soft CE ``-Σ_v target·log_softmax(logits)`` times ``weight`` (with a
     gradient to ``logits``), the overlap ``Σ_v min(q_draft, p_target)`` (none) and the draft's
     argmax (none), where ``target`` is the teacher's softmax on rows ``label`` (the teacher rows of
-    this step's positions), made from its draft-vocab logits and their logsumexp as it is read.
+    the scored positions), made from its draft-vocab logits and their logsumexp as it is read.
 
     ``recompute`` (the default on CUDA): compiled kernels that gather the teacher rows as they
     read them; saves the logits in their own dtype with their logsumexp and the target's row
-    sums, and the backward is one element-wise pass (half the activation memory per step in bf16
-    of a saved fp32 softmax, and no per-step copy of the teacher). Otherwise (eager, memory
+    sums, and the backward is one element-wise pass (half the activation memory in bf16 of a
+    saved fp32 softmax, and no copy of the teacher's rows). Otherwise (eager, memory
     bound): one log-softmax serves the loss, the overlap and the backward, which gets the fp32
-    softmax saved.
+    softmax saved; rows go in blocks of about ``EAGER_BLOCK`` values, so each temporary stays
+    small (on 2 CPU cores, 5,040 rows of 8,192 in one pass took 0.5-1.8 s, in 720-row pieces
+    0.3-0.4 s).
     """
 
     @staticmethod
@@ -111,12 +113,15 @@ class _SoftTargetTerms(torch.autograd.Function):
                 logits, teacher_logits, teacher_lse, label, weight, log_mass)
             ctx.save_for_backward(logits, lse, teacher_logits, teacher_lse, label, target_sum, weight)
         else:
-            target = _target(teacher_logits, teacher_lse, label)
-            log_q = torch.log_softmax(logits.float(), dim=-1)
-            loss = -(target * log_q).sum(dim=-1)
-            loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
-            q = log_q.exp_()
-            overlap = torch.minimum(q, target * log_mass.exp()[..., None]).sum(dim=-1)
+            q = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            target, loss, overlap = torch.empty_like(q), q.new_empty(q.shape[:-1]), q.new_empty(q.shape[:-1])
+            for rows in _row_blocks(logits):
+                target[rows] = _target(teacher_logits, teacher_lse, label[rows])
+                log_q = torch.log_softmax(logits[rows].float(), dim=-1)
+                terms = -(target[rows] * log_q).sum(dim=-1)
+                loss[rows] = torch.where(weight[rows] > 0, terms * weight[rows], torch.zeros_like(terms))
+                q[rows] = log_q.exp_()
+                overlap[rows] = torch.minimum(q[rows], target[rows] * log_mass[rows].exp()[..., None]).sum(dim=-1)
             argmax = logits.argmax(dim=-1)
             ctx.save_for_backward(q, target, target.sum(dim=-1), weight)
         ctx.mark_non_differentiable(overlap, argmax)
@@ -129,8 +134,20 @@ class _SoftTargetTerms(torch.autograd.Function):
             dlogits = fused(_ce_grad, logits.device)(logits, *saved, grad)
         else:
             q, target, target_sum, weight = ctx.saved_tensors
-            dlogits = _ce_grad_from_probs(q, target, target_sum, weight, grad, ctx.logits_dtype)
+            dlogits = torch.empty(q.shape, dtype=ctx.logits_dtype, device=q.device)
+            for rows in _row_blocks(q):
+                dlogits[rows] = _ce_grad_from_probs(q[rows], target[rows], target_sum[rows], weight[rows], grad[rows],
+                                                    ctx.logits_dtype)
         return dlogits, None, None, None, None, None, None
+
+
+EAGER_BLOCK = 1 << 22  # values per block of rows in the eager soft CE: 16 MB per fp32 temporary
+
+
+def _row_blocks(x: torch.Tensor) -> list[slice]:
+    """Slices of the rows of ``x [N, Vd]`` of about ``EAGER_BLOCK`` values each."""
+    rows = max(1, EAGER_BLOCK // max(1, x.shape[-1]))
+    return [slice(r, r + rows) for r in range(0, x.shape[0], rows)]
 
 
 def soft_target_terms(
@@ -169,6 +186,8 @@ def ttt_unroll(
     unsupervised positions cost nothing beyond the step-0 keys; the terms equal those of the full
     ``[B, T]`` unroll. Which rows each step computes is worked out on the host from one copy of the
     batch's masks (:class:`UnrollPlan`), so the device never waits for the host inside the unroll.
+    The steps' logits are made after the last step, for the rows of all steps at once; the
+    terms of skipped steps are zeros. The terms are views of ``[K, B, T]`` tensors.
     """
     ids, attn, lm, aux, last, pos, seq = _read_batch(batch, lm_head_weight)
     b, t = ids.shape
@@ -186,13 +205,12 @@ def ttt_unroll(
     with record_function("eagle3.tokens"):
         tokens = draft.project_tokens(F.pad(ids.flatten(), (0, b))[plan.token_index])
     attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans)
-    keys, values, key_rows, steps = [], [], [], []
+    keys, values, key_rows, scored = [], [], [], []
 
     hidden = None
     for k in range(ttt_length):
         idx = plan.rows[k]
         if idx is None:  # no target at this step or later
-            steps.append(_empty_terms(b, t, ids.device))
             continue
         # Step 0 makes keys on every real token; its outputs, like every later step's, are idx.
         inputs = plan.real if k == 0 else idx
@@ -205,32 +223,32 @@ def ttt_unroll(
                 return attention(q, idx, keys, values, key_rows, same_at=plan.same[k])
 
         step_pos = (pos + k).flatten()[inputs][None]
-        reads = dict(tokens=tokens, token_rows=plan.token_rows[k], logit_rows=plan.here[k])
+        reads = dict(tokens=tokens, token_rows=plan.token_rows[k])
         if k == 0:
-            hidden, logits = draft(None, step_pos, attend, aux_hidden=aux.flatten(0, 1)[plan.real][None],
-                                   queries=plan.queries0, **reads)
+            hidden = draft.next_hidden(None, step_pos, attend, aux_hidden=aux.flatten(0, 1)[plan.real][None],
+                                       queries=plan.queries0, **reads)
         else:
-            hidden, logits = draft(None, step_pos, attend, hidden=take_rows(hidden, 1, plan.carry[k]), **reads)
+            hidden = draft.next_hidden(None, step_pos, attend, hidden=take_rows(hidden, 1, plan.carry[k]), **reads)
+        scored.append(take_rows(hidden, 1, plan.here[k]))  # the rows with a step-k target
 
-        flat, label = plan.flat[k], plan.label[k]  # positions t with a step-k target; teacher index t+k
-        logits = logits.squeeze(0)  # a view both ways (indexing [0] would copy into zeros in backward)
-        with record_function("eagle3.loss_terms"):
-            pm = teacher.in_draft[label]
-            loss, overlap, argmax = soft_target_terms(logits, teacher.logits, teacher.lse, label, pm.float(),
-                                                      teacher.log_mass[label])
-            with torch.no_grad():
-                correct = target_ids[argmax] == teacher.argmax[label]
-                accept = torch.where(pm, overlap, torch.zeros_like(overlap))
-            steps.append(
-                StepTerms(
-                    loss=_place(loss, flat, b, t),
-                    correct=_place(correct.float(), flat, b, t),
-                    valid=plan.valid[k].float(),
-                    accept=_place(accept, flat, b, t),
-                    in_draft=_place(pm.float(), flat, b, t),
-                )
-            )
-    return steps
+    # Every step's scored rows through the head and the loss at once: the logits feed nothing but
+    # the loss, so one matmul (one weight gradient, not seven to add up) and one pass each way
+    # serve all steps.
+    with record_function("eagle3.lm_head"):
+        logits = draft.compute_logits(torch.cat(scored, dim=1)).squeeze(0)  # a view both ways
+    label = plan.label  # the teacher row of each scored row: index t+k, the distribution at t+k+1
+    with record_function("eagle3.loss_terms"):
+        pm = teacher.in_draft[label]
+        loss, overlap, argmax = soft_target_terms(logits, teacher.logits, teacher.lse, label, pm.float(),
+                                                  teacher.log_mass[label])
+        with torch.no_grad():
+            correct = target_ids[argmax] == teacher.argmax[label]
+            accept = torch.where(pm, overlap, torch.zeros_like(overlap))
+        # each term at its step's [B, T] position, all steps in one [K, B, T] tensor
+        placed = [_place(x, plan.placed, ttt_length, b, t) for x in (loss, correct.float(), accept, pm.float())]
+    valid = plan.valid.float()
+    return [StepTerms(loss=placed[0][k], correct=placed[1][k], valid=valid[k], accept=placed[2][k],
+                      in_draft=placed[3][k]) for k in range(ttt_length)]
 
 
 @dataclass
@@ -243,8 +261,10 @@ class UnrollPlan:
     - ``rows[k]``: the positions whose step-k output is computed (:func:`_unroll_rows`), or None;
     - ``queries0``: ``rows[0]``'s indices among ``real``; ``carry[k]`` (k ≥ 1): ``rows[k]``'s
       indices among ``rows[k-1]`` (where the carried hidden comes from);
-    - ``here[k]``: the indices among ``rows[k]`` with a step-k target, ``flat[k]`` their positions,
-      ``label[k]`` their teacher rows (index t+k, the distribution at t+k+1);
+    - ``here[k]``: the indices among ``rows[k]`` with a step-k target (the scored rows);
+    - ``label``: the teacher row of every scored row, step after step (index t+k: the
+      distribution at t+k+1), and ``placed`` its position in ``[K, B, T]`` flattened (k·B·T plus
+      the row's flattened position): the terms of all steps are computed at once on these rows;
     - ``teacher_index``: the flattened indices i some step reads (the teacher at position i+1);
     - ``same[k]`` (k ≥ 1): for each step j = 1..k, ``rows[k]``'s indices among ``rows[j]`` (where
       the keys step j made at the queries' own positions are; ``[]`` at step 0);
@@ -269,8 +289,8 @@ class UnrollPlan:
     queries0: torch.Tensor
     carry: list
     here: list
-    flat: list
-    label: list
+    label: torch.Tensor
+    placed: torch.Tensor
     teacher_index: torch.Tensor
     same: list
     spans: list
@@ -298,7 +318,7 @@ class UnrollPlan:
         real = np.flatnonzero(host[0])
         queries0 = np.searchsorted(real, rows[0])
         spans = SampleSpans.of_rows(real, host[2].reshape(-1)[real], t).bounds
-        carry, here, flat, label = [None] * ttt_length, [None] * ttt_length, [None] * ttt_length, [None] * ttt_length
+        carry, here, label, placed = [None] * ttt_length, [None] * ttt_length, [], []
         slots = [None if r is None else _host_slots(r, b * t) for r in rows]
         token_index, token_rows = _token_rows([real if k == 0 else r for k, r in enumerate(rows)], t, b * t)
         same = [[] for _ in range(ttt_length)]
@@ -309,11 +329,12 @@ class UnrollPlan:
                 carry[k] = slots[k - 1][rows[k]]
                 same[k] = [slots[j][rows[k]] for j in range(1, k + 1)]
             here[k] = np.flatnonzero(flat_valid[k][rows[k]])
-            flat[k] = rows[k][here[k]]
-            label[k] = teacher_slot[flat[k] + k]
+            scored = rows[k][here[k]]
+            placed.append(scored + k * b * t)
+            label.append(teacher_slot[scored + k])
         # one host-to-device copy of every index, then views of it
-        parts = [real, queries0, teacher_index, token_index,
-                 *(x for group in (rows, carry, here, flat, label, token_rows) for x in group if x is not None),
+        parts = [real, queries0, teacher_index, token_index, np.concatenate(label), np.concatenate(placed),
+                 *(x for group in (rows, carry, here, token_rows) for x in group if x is not None),
                  *(x for at in same for x in at)]
         sizes = [p.size for p in parts]
         packed = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
@@ -324,12 +345,11 @@ class UnrollPlan:
         else:
             valid_d = valid_h.to(device)
         views = iter(packed.split(sizes))
-        real_d, queries0_d, teacher_index_d, token_index_d = next(views), next(views), next(views), next(views)
-        groups = [[None if x is None else next(views) for x in group]
-                  for group in (rows, carry, here, flat, label, token_rows)]
+        real_d, queries0_d, teacher_index_d, token_index_d, label_d, placed_d = (next(views) for _ in range(6))
+        groups = [[None if x is None else next(views) for x in group] for group in (rows, carry, here, token_rows)]
         same_d = [[next(views) for _ in at] for at in same]
-        return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], groups[3], groups[4], teacher_index_d,
-                   same_d, spans, token_index_d, groups[5])
+        return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], label_d, placed_d, teacher_index_d,
+                   same_d, spans, token_index_d, groups[3])
 
 
 def _token_rows(inputs: list, t: int, size: int) -> tuple[np.ndarray, list]:
@@ -388,9 +408,9 @@ def _unroll_rows(valid: list[np.ndarray]) -> list[np.ndarray | None]:
     return rows
 
 
-def _place(values: torch.Tensor, flat: torch.Tensor, b: int, t: int) -> torch.Tensor:
-    """``[B, T]`` zeros with ``values`` at the flattened positions ``flat``."""
-    return values.new_zeros(b * t).index_copy(0, flat, values).view(b, t)
+def _place(values: torch.Tensor, placed: torch.Tensor, k: int, b: int, t: int) -> torch.Tensor:
+    """``[K, B, T]`` zeros with ``values`` at the flattened positions ``placed``."""
+    return values.new_zeros(k * b * t).index_copy(0, placed, values).view(k, b, t)
 
 
 def eagle3_loss(
@@ -470,8 +490,3 @@ def _read_batch(batch, lm_head_weight):
             fix="pass the lm_head weight of the target that produced the batch",
         )
     return ids, attn, lm, aux, last, pos, seq
-
-
-def _empty_terms(b: int, t: int, device) -> StepTerms:
-    zero = torch.zeros(b, t, device=device)
-    return StepTerms(loss=zero, correct=zero, valid=zero, accept=zero, in_draft=zero)

@@ -131,22 +131,6 @@ def test_forward_with_queries_returns_those_rows_of_the_full_forward():
     torch.testing.assert_close(some_z, full_z[:, rows])
 
 
-def test_forward_with_logit_rows_scores_only_those_rows_and_keeps_every_hidden():
-    draft = tiny_draft(seed=6)
-    ids, aux, pos = torch.randint(24, (1, 6)), torch.randn(1, 6, 72), torch.arange(6)[None]
-    causal = torch.ones(6, 6, dtype=torch.bool).tril()
-
-    attend = sdpa_attend(causal)
-
-    scored = torch.tensor([0, 3, 5])
-    with torch.no_grad():
-        full_h, full_z = draft(ids, pos, attend, aux_hidden=aux)
-        some_h, some_z = draft(ids, pos, attend, aux_hidden=aux, logit_rows=scored)
-    torch.testing.assert_close(some_h, full_h)
-    assert some_z.shape == (1, 3, full_z.shape[-1])
-    torch.testing.assert_close(some_z, full_z[:, scored])
-
-
 def test_qkv_from_the_folded_weights_equal_the_projections_of_the_concatenated_input():
     """q/k/v = {q,k,v}_proj(cat(input_layernorm(e), hidden_norm(h))), RoPE on q and k: the layer
     computes them as the embedding half with the norm's weight folded in plus the hidden half."""

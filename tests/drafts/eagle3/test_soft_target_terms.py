@@ -5,6 +5,7 @@ their logsumexp as on CUDA) give the soft cross-entropy's gradient."""
 import pytest
 import torch
 
+from specforge_core.drafts.eagle3 import objective
 from specforge_core.drafts.eagle3.objective import soft_target_terms
 
 
@@ -27,9 +28,13 @@ def by_formula(logits, teacher_logits, label, weight, log_mass):
     return loss, overlap
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["saved_softmax", "recomputed_from_lse"])
+@pytest.mark.parametrize("recompute, block", [(False, None), (False, 2 * 37), (True, None)],
+                         ids=["saved_softmax", "saved_softmax_row_blocks", "recomputed_from_lse"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_soft_target_terms_equal_their_formula_and_its_gradient(recompute, dtype):
+def test_soft_target_terms_equal_their_formula_and_its_gradient(recompute, block, dtype, monkeypatch):
+    """``block``: the eager path in blocks of 2 rows (a last one of 1), as it splits larger batches."""
+    if block:
+        monkeypatch.setattr(objective, "EAGER_BLOCK", block)
     logits, tl, tlse, label, weight, log_mass = terms_inputs(dtype)
     upstream = torch.randn(logits.shape[0], generator=torch.Generator().manual_seed(5))
     loss, overlap, argmax = soft_target_terms(logits, tl, tlse, label, weight, log_mass, recompute=recompute)

@@ -41,6 +41,8 @@ def test_the_plan_of_a_packed_padded_batch_equals_the_definitions():
     teacher = plan.teacher_index.tolist()
     assert teacher == sorted({p + k for k in range(K) for p in range(b * t) if valid(k, p)})
     previous = plan.real
+    step, position = (plan.placed // (b * t)).tolist(), (plan.placed % (b * t)).tolist()
+    assert step == sorted(step)  # the scored rows step after step
     for k in range(K):
         want = [p for p in range(b * t) if any(valid(j, p) for j in range(k, K))]
         if not want and k:
@@ -50,8 +52,10 @@ def test_the_plan_of_a_packed_padded_batch_equals_the_definitions():
         assert rows.tolist() == want
         chosen = plan.queries0 if k == 0 else plan.carry[k]
         assert previous[chosen].tolist() == want  # step 0's queries among the real tokens, later: the carried rows
-        assert rows[plan.here[k]].tolist() == plan.flat[k].tolist() == [p for p in want if valid(k, p)]
-        assert [teacher[i] for i in plan.label[k].tolist()] == [p + k for p in plan.flat[k].tolist()]
+        scored = [p for s_, p in zip(step, position) if s_ == k]
+        assert rows[plan.here[k]].tolist() == scored == [p for p in want if valid(k, p)]
+        labels = [i for s_, i in zip(step, plan.label.tolist()) if s_ == k]
+        assert [teacher[i] for i in labels] == [p + k for p in scored]
         # the same-position keys: step j's rows (j = 1..k) hold every one of step k's rows
         assert len(plan.same[k]) == k
         for j, at in enumerate(plan.same[k], start=1):
