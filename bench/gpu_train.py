@@ -29,8 +29,9 @@ On CUDA the draft and train phases also count the host-device synchronisations o
 
 ``--profile`` (draft phase, CUDA): per shape, forward / backward / optimizer by CUDA events, the
 forward's stages and the backward's autograd nodes by device time, the device's idle time by
-phase and stage (``..._idle_<phase|stage>_ms``), a profiler table, the kernels by the op that
-launched them, and the timeline.
+phase and stage (``..._idle_<phase|stage>_ms``) and by the launch that ended each gap
+(``DIR/idle_<key>.txt``: what the host was still doing while the device waited), a profiler
+table, the kernels by the op that launched them, and the timeline.
 
 ``--family dflash`` times the DFlash family instead (``--dflash-layers`` captured layers and draft
 layers, block ``--dflash-block``): capture without the final hidden, the DFlash objective, the
@@ -376,8 +377,9 @@ def _device_ms(event, steps: int = 2) -> float:
 def profile_step(args, loop, batch, key: str) -> None:
     """Where one step's time goes: forward / backward / optimizer medians by CUDA events, then a
     torch.profiler table of 2 steps (top kernels and ops by device time) in DIR/profile_<key>.txt,
-    their kernels by the op that launched them in DIR/kernels_<key>.txt (:func:`kernels_by_origin`)
-    and their timeline in DIR/trace_<key>.json.gz."""
+    their kernels by the op that launched them in DIR/kernels_<key>.txt (:func:`kernels_by_origin`),
+    the device's idle time by the launch that ended each gap in DIR/idle_<key>.txt
+    (:func:`idle_by_launch`) and their timeline in DIR/trace_<key>.json.gz."""
     from torch.profiler import ProfilerActivity, profile
 
     parts = {"forward": [], "backward": [], "optimizer": []}
@@ -433,6 +435,7 @@ def profile_step(args, loop, batch, key: str) -> None:
         for name, ms in device_idle(timeline, steps=2).items():
             report(f"{key}_idle_{name}_ms", ms)
         (Path(args.out) / f"kernels_{key}.txt").write_text(kernels_table(kernels_by_origin(timeline, steps=2)))
+        (Path(args.out) / f"idle_{key}.txt").write_text(kernels_table(idle_by_launch(timeline, steps=2), "gaps"))
     print("\n".join(line[:160] for line in table.splitlines()[:24]), flush=True)
 
 
@@ -475,26 +478,25 @@ def device_idle(events: list[dict], steps: int) -> dict[str, float]:
     return {k: v / 1e3 / steps for k, v in idle.items()}
 
 
-def kernels_by_origin(events: list[dict], steps: int) -> list[tuple[float, float, str, str, str]]:
-    """Device time per step of a profiler timeline's kernels (copies and memsets too; ``events``:
-    :func:`trace_events`), grouped by
-    what launched them: the host op around the launch (innermost ``cpu_op``) with its input shapes,
-    and the two innermost named ranges around it (forward stage, autograd node, FSDP, optimizer).
-    Rows ``(ms, kernels, where, op, input dims)`` per step, largest first: where a phase's
-    kernel time goes by source line, e.g. the gradient adds of one weight or one ``index_add``."""
+_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def launch_origins(events: list[dict]) -> dict:
+    """What launched each piece of device work in a profiler timeline (``events``:
+    :func:`trace_events`): per launch correlation id, ``(where, op, input dims)``, the two
+    innermost named ranges around the host's launch call (forward stage, autograd node, FSDP,
+    optimizer; ``-`` where none) and the innermost ``cpu_op`` around it with its input shapes."""
     events = [e for e in events if e.get("ph", "X") == "X" and "dur" in e]
-    work = {}
-    for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "correlation" in e.get("args", {}):
-            work.setdefault(e["args"]["correlation"], []).append(e["dur"])
+    launched = {e["args"]["correlation"] for e in events
+                if e.get("cat") in _DEVICE_WORK and "correlation" in e.get("args", {})}
     by_tid: dict = {}
     for e in events:
         cat = e.get("cat")
         if cat in ("cpu_op", "user_annotation"):
             by_tid.setdefault(e["tid"], []).append((e["ts"], 0, e))
-        elif cat in ("cuda_runtime", "cuda_driver") and e.get("args", {}).get("correlation") in work:
+        elif cat in ("cuda_runtime", "cuda_driver") and e.get("args", {}).get("correlation") in launched:
             by_tid.setdefault(e["tid"], []).append((e["ts"], 1, e))
-    groups: dict = {}
+    origins = {}
     for items in by_tid.values():
         # one sweep per thread: host ranges nest, so the open ones at a launch form a stack
         items.sort(key=lambda x: (x[0], x[1], -x[2]["dur"]))
@@ -508,27 +510,65 @@ def kernels_by_origin(events: list[dict], steps: int) -> list[tuple[float, float
             ops = [s for s in stack if s.get("cat") == "cpu_op"]
             named = [s["name"].removeprefix(AUTOGRAD_NODE) for s in stack if s["name"].startswith(_ORIGINS)]
             leaf = ops[-1] if ops else None
-            key = (" > ".join(named[-2:]) or "-", leaf["name"] if leaf else "-",
-                   str(leaf.get("args", {}).get("Input Dims", "")) if leaf else "")
-            durations = work.pop(e["args"]["correlation"])
-            ms, n = groups.get(key, (0.0, 0))
-            groups[key] = (ms + sum(durations), n + len(durations))
-    if work:  # device work whose launch the trace lacks
-        groups[("-", "-", "")] = (sum(map(sum, work.values())), sum(map(len, work.values())))
-    rows = [(ms / 1e3 / steps, n / steps, *key) for key, (ms, n) in groups.items()]
+            origins[e["args"]["correlation"]] = (
+                " > ".join(named[-2:]) or "-", leaf["name"] if leaf else "-",
+                str(leaf.get("args", {}).get("Input Dims", "")) if leaf else "")
+    return origins
+
+
+def _rows(groups: dict, steps: int) -> list[tuple[float, float, str, str, str]]:
+    """``{(where, op, dims): (µs, count)}`` as rows ``(ms, count, where, op, dims)`` per step, largest first."""
+    rows = [(us / 1e3 / steps, n / steps, *key) for key, (us, n) in groups.items()]
     return sorted(rows, key=lambda r: -r[0])
 
 
-def kernels_table(rows) -> str:
-    """:func:`kernels_by_origin`'s rows as text: summed over input shapes first, then each shape."""
+def kernels_by_origin(events: list[dict], steps: int) -> list[tuple[float, float, str, str, str]]:
+    """Device time per step of a profiler timeline's kernels (copies and memsets too; ``events``:
+    :func:`trace_events`), grouped by what launched them (:func:`launch_origins`; ``-`` for work
+    whose launch the trace lacks). Rows ``(ms, kernels, where, op, input dims)`` per step, largest
+    first: where a phase's kernel time goes by source line, e.g. the gradient adds of one weight
+    or one ``index_add``."""
+    origins = launch_origins(events)
+    groups: dict = {}
+    for e in events:
+        if e.get("cat") in _DEVICE_WORK and "dur" in e:
+            key = origins.get(e.get("args", {}).get("correlation"), ("-", "-", ""))
+            us, n = groups.get(key, (0.0, 0))
+            groups[key] = (us + e["dur"], n + 1)
+    return _rows(groups, steps)
+
+
+def idle_by_launch(events: list[dict], steps: int) -> list[tuple[float, float, str, str, str]]:
+    """The device's idle time per step in a profiler timeline (``events``: :func:`trace_events`),
+    each gap counted to the launch that ended it (:func:`launch_origins` of the work that ran
+    next): what the host was still doing while the device waited. Rows ``(ms, gaps, where, op,
+    input dims)`` per step, largest first; unlike :func:`device_idle`'s spans, a gap between two
+    stages counts to the code that launched the next one."""
+    origins = launch_origins(events)
+    work = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation"))
+                  for e in events if e.get("cat") in _DEVICE_WORK and "dur" in e)
+    groups: dict = {}
+    end = None
+    for ts, stop, corr in work:
+        if end is not None and ts > end:
+            key = origins.get(corr, ("-", "-", ""))
+            us, n = groups.get(key, (0.0, 0))
+            groups[key] = (us + ts - end, n + 1)
+        end = stop if end is None else max(end, stop)
+    return _rows(groups, steps)
+
+
+def kernels_table(rows, count: str = "kernels") -> str:
+    """:func:`kernels_by_origin`'s rows (or :func:`idle_by_launch`'s, ``count="gaps"``) as text:
+    summed over input shapes first, then each shape."""
     summed: dict = {}
     for ms, n, where, op, _ in rows:
         a, b = summed.get((where, op), (0.0, 0.0))
         summed[(where, op)] = (a + ms, b + n)
     top = sorted(((ms, n, where, op) for (where, op), (ms, n) in summed.items()), key=lambda r: -r[0])
-    lines = ["ms/step  kernels/step  where > op (all input shapes)"]
+    lines = [f"ms/step  {count}/step  where > op (all input shapes)"]
     lines += [f"{ms:8.3f}  {n:7.1f}  {where} > {op}" for ms, n, where, op in top[:80]]
-    lines += ["", "ms/step  kernels/step  where > op  input dims"]
+    lines += ["", f"ms/step  {count}/step  where > op  input dims"]
     lines += [f"{ms:8.3f}  {n:7.1f}  {where} > {op}  {dims}" for ms, n, where, op, dims in rows[:200]]
     return "\n".join(lines) + "\n"
 
@@ -676,7 +716,7 @@ def parse_args(argv=None):
     p.add_argument("--dflash-mask", type=int, default=151669, help="DFlash mask token id (Qwen3's)")
     p.add_argument("--peer-teachers", default="full",
                    help="full (the peer's best: handed target logits); full,compact: also from the last hidden state")
-    p.add_argument("--profile", action="store_true", help="draft phase: split and profile each timed shape (DIR/profile_*.txt, kernels_*.txt, trace_*.json.gz)")
+    p.add_argument("--profile", action="store_true", help="draft phase: split and profile each timed shape (DIR/profile_*.txt, kernels_*.txt, idle_*.txt, trace_*.json.gz)")
     p.add_argument("--compile-cache", default=None,
                    help="TORCHINDUCTOR_CACHE_DIR for this process (an empty one: a cold start; the product "
                         "keeps <output.dir>/compile-cache)")

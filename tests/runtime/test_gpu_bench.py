@@ -68,6 +68,40 @@ def test_kernels_count_to_the_host_op_that_launched_them_and_its_named_ranges(tm
     assert "MmBackward0 > aten::mm" in bench.kernels_table(rows).splitlines()[1]
 
 
+def test_each_idle_gap_counts_to_the_launch_that_ended_it(tmp_path):
+    def x(cat, name, tid, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    events = [
+        # host: a forward stage launches a matmul, then outside any stage a rotary op launches
+        # two kernels, then the layer stage launches one more
+        x("user_annotation", "bench.forward", 1, 0, 100),
+        x("user_annotation", "eagle3.teacher", 1, 0, 10),
+        x("cpu_op", "aten::mm", 1, 1, 5, **{"Input Dims": [[2, 3], [3, 4]]}),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 2, 1, correlation=1),
+        x("cpu_op", "aten::cos", 1, 30, 5, **{"Input Dims": [[4]]}),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 31, 1, correlation=2),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 33, 1, correlation=3),
+        x("user_annotation", "eagle3.layer", 1, 50, 20),
+        x("cpu_op", "aten::addmm", 1, 55, 5, **{"Input Dims": [[4], [2, 3], [3, 4]]}),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 56, 1, correlation=4),
+        # device: 10..20, gap 20..32 (ended by cos's first kernel), 32..35, gap to 36, 36..40,
+        # gap 40..60 (ended by the layer's addmm), 60..70, then a kernel without a launch after a gap
+        x("kernel", "mm", 7, 10, 10, correlation=1), x("kernel", "cos", 7, 32, 3, correlation=2),
+        x("kernel", "cos", 7, 36, 4, correlation=3), x("kernel", "addmm", 7, 60, 10, correlation=4),
+        x("kernel", "orphan", 7, 75, 1, correlation=99),
+    ]
+    trace = tmp_path / "trace.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    bench = load_bench("gpu_train")
+    rows = bench.idle_by_launch(bench.trace_events(trace), steps=1)
+    got = [(round(ms * 1e3, 6), n, where, op) for ms, n, where, op, _ in rows]  # back to µs
+    assert got == [(20, 1, "bench.forward > eagle3.layer", "aten::addmm"),
+                   (13, 2, "bench.forward", "aten::cos"),
+                   (5, 1, "-", "-")]
+    assert bench.kernels_table(rows, "gaps").splitlines()[0].startswith("ms/step  gaps/step")
+
+
 def test_the_documented_cpu_smoke_run_of_the_gpu_bench_trains_a_tiny_draft(tmp_path):
     cmd = [sys.executable, str(BENCH / "gpu_train.py"), "--shape", "tiny", "--device", "cpu", "--steps", "1",
            "--phases", "draft", "--draft-variants", "eager", "--draft-shapes", "1x256", "--out", str(tmp_path)]
