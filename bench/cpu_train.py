@@ -15,9 +15,8 @@ same process, so a shared machine's load hits them alike; ``uptime`` is printed 
 Per step it times: ``capture`` (target forward), ``teacher`` (compute_teacher), ``draft[k]``
 (the draft layer of TTT step k, without its logits), ``loss`` (the head's logits of every step's
 scored rows at once, soft CE, argmax, overlap; also the tokens' embedding half of q/k/v,
-projected once before the steps), ``fsdp`` (root forward
-minus the objective: FSDP's pre/post-forward), ``backward``, ``optim`` (clip + AdamW +
-schedule) and ``other``. Tokens/s counts real tokens, capture included.
+projected once before the steps), ``fsdp`` (root forward minus the objective: FSDP's
+pre/post-forward), ``backward``, ``optim`` (clip + AdamW + schedule) and ``other``. Tokens/s counts real tokens, capture included.
 
 ``--variants fsdp,specforge`` trains the peer beside ours on the same captured batches:
 SpecForge 0.2.0's ``LlamaForCausalLMEagle3`` (sdpa) inside its ``OnlineEagle3Model`` (TTT 7, its

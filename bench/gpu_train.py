@@ -450,13 +450,16 @@ def trace_events(trace: Path) -> list[dict]:
     return json.loads(gzip.open(trace).read())["traceEvents"]
 
 
+_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # a timeline's categories of device work
+
+
 def device_idle(events: list[dict], steps: int) -> dict[str, float]:
     """Milliseconds per step the device sat idle (no kernel, copy or memset running) in a profiler
     timeline's ``events`` (:func:`trace_events`): in all (first to last kernel), inside each ``bench.*`` phase's device span, and
     inside each forward stage's span (``eagle3.*``; a gap counts to the innermost span around it).
     Idle inside a span is the host launching that stage's work while the device waits."""
     busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+                  if e.get("cat") in _DEVICE_WORK and "dur" in e)
     if not busy:
         return {}
     gaps, end = [], busy[0][1]
@@ -476,9 +479,6 @@ def device_idle(events: list[dict], steps: int) -> dict[str, float]:
                 name = min(inner, key=lambda s: s[1] - s[0])[2].split(".", 1)[1]
                 idle[name] = idle.get(name, 0.0) + z - a
     return {k: v / 1e3 / steps for k, v in idle.items()}
-
-
-_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def launch_origins(events: list[dict]) -> dict:
@@ -516,10 +516,18 @@ def launch_origins(events: list[dict]) -> dict:
     return origins
 
 
-def _rows(groups: dict, steps: int) -> list[tuple[float, float, str, str, str]]:
-    """``{(where, op, dims): (µs, count)}`` as rows ``(ms, count, where, op, dims)`` per step, largest first."""
+def _rows(items, steps: int) -> list[tuple[float, float, str, str, str]]:
+    """``(key, µs)`` items, ``key = (where, op, dims)``, summed per key as rows ``(ms, count,
+    where, op, dims)`` per step, largest first."""
+    groups: dict = {}
+    for key, us in items:
+        total, n = groups.get(key, (0.0, 0))
+        groups[key] = (total + us, n + 1)
     rows = [(us / 1e3 / steps, n / steps, *key) for key, (us, n) in groups.items()]
     return sorted(rows, key=lambda r: -r[0])
+
+
+_UNKNOWN = ("-", "-", "")  # the origin of device work whose launch the trace lacks
 
 
 def kernels_by_origin(events: list[dict], steps: int) -> list[tuple[float, float, str, str, str]]:
@@ -529,13 +537,8 @@ def kernels_by_origin(events: list[dict], steps: int) -> list[tuple[float, float
     first: where a phase's kernel time goes by source line, e.g. the gradient adds of one weight
     or one ``index_add``."""
     origins = launch_origins(events)
-    groups: dict = {}
-    for e in events:
-        if e.get("cat") in _DEVICE_WORK and "dur" in e:
-            key = origins.get(e.get("args", {}).get("correlation"), ("-", "-", ""))
-            us, n = groups.get(key, (0.0, 0))
-            groups[key] = (us + e["dur"], n + 1)
-    return _rows(groups, steps)
+    return _rows(((origins.get(e.get("args", {}).get("correlation"), _UNKNOWN), e["dur"])
+                  for e in events if e.get("cat") in _DEVICE_WORK and "dur" in e), steps)
 
 
 def idle_by_launch(events: list[dict], steps: int) -> list[tuple[float, float, str, str, str]]:
@@ -547,15 +550,12 @@ def idle_by_launch(events: list[dict], steps: int) -> list[tuple[float, float, s
     origins = launch_origins(events)
     work = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation"))
                   for e in events if e.get("cat") in _DEVICE_WORK and "dur" in e)
-    groups: dict = {}
-    end = None
+    gaps, end = [], None
     for ts, stop, corr in work:
         if end is not None and ts > end:
-            key = origins.get(corr, ("-", "-", ""))
-            us, n = groups.get(key, (0.0, 0))
-            groups[key] = (us + ts - end, n + 1)
+            gaps.append((origins.get(corr, _UNKNOWN), ts - end))
         end = stop if end is None else max(end, stop)
-    return _rows(groups, steps)
+    return _rows(gaps, steps)
 
 
 def kernels_table(rows, count: str = "kernels") -> str:

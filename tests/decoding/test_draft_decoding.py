@@ -40,16 +40,15 @@ def _draft(model, draft_vocab_size=None, seed=0, hot_start=0):
     return draft
 
 
-def _unrolled_hidden(draft, batch, lm_head_weight, steps=3):
+def _unrolled_hidden(draft, batch, lm_head_weight, t, steps=3):
     """The pre-norm hidden of each training step's scored rows (``compute_logits(h) =
-    lm_head(norm(h))``, one call for all steps); with one sample of t tokens, every one
+    lm_head(norm(h))``, one call for all steps); with one sample of ``t`` tokens, every one
     supervised, step k scores positions 0..t-2-k."""
     scored = []
     hook = draft.norm.register_forward_hook(lambda _m, inputs, _o: scored.append(inputs[0].detach()))
     with torch.no_grad():
         ttt_unroll(draft, batch, lm_head_weight, ttt_length=steps, backend="sdpa")
     hook.remove()
-    t = batch["input_ids"].shape[1] if isinstance(batch, dict) else batch.input_ids.shape[1]
     return scored[0].split([t - 1 - k for k in range(steps)], dim=1)
 
 
@@ -73,7 +72,7 @@ def test_decode_time_draft_equals_the_training_unroll_at_steps_0_to_2(tiny):
     batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, t, dtype=torch.long),
              "loss_mask": torch.ones(1, t, dtype=torch.long), "aux_hidden": aux[None],
              "last_hidden": torch.randn(1, t, model.config.hidden_size)}
-    unrolled = _unrolled_hidden(draft, batch, model.lm_head.weight)
+    unrolled = _unrolled_hidden(draft, batch, model.lm_head.weight, t)
     runner = DraftRunner(draft)
     p = len(prompt)
     runner.extend([(ids[1 : p + 1], aux[:p])])  # step-0 rows 0..p-1: the prefill
@@ -202,7 +201,7 @@ def test_on_smollm2_the_draft_fed_at_decode_equals_the_training_unroll_on_captur
     # every position supervised, so the unroll's output rows are the positions themselves
     batch = backend.capture(TargetRequest.from_rows([ids], [[1] * len(ids)], slice(0, 1)))
     draft = _draft(model, draft_vocab_size=8192, seed=3)
-    unrolled = _unrolled_hidden(draft, batch, backend.lm_head_weight)
+    unrolled = _unrolled_hidden(draft, batch, backend.lm_head_weight, len(ids))
 
     ends = list(range(p, len(ids) - 2))  # a round after step-0 rows 0..n-1, fed ids[n+1], ids[n+2]
     runner = DraftRunner(draft)

@@ -69,8 +69,9 @@ class Eagle3Family:
         lm_head's inputs (``2H``), its logits over Vd in the compute dtype and ``4·Vd`` bytes
         more (on CUDA the logits' gradient, which the backward makes for every step at once: the
         head scores all steps in one pass; docs/performance.md, Round 14); plus the teacher
-        itself (fp32 ``[Vd]``) and ``fc``'s output once. With ``training.compile`` the fused norms and MLP keep ``I + 4H`` values fewer per
-        step: the saving measured at the Qwen3-8B shape (docs/gpu.md compares both with the bench)."""
+        itself (fp32 ``[Vd]``) and ``fc``'s output once. With ``training.compile`` the fused
+        norms and MLP keep ``I + 4H`` values fewer per step: the saving measured at the Qwen3-8B
+        shape (docs/gpu.md compares both with the bench)."""
         c = 2 if cfg.training.param_dtype == "bfloat16" else 4  # bytes per value of the compute dtype
         h, i, vd = draft_config.hidden_size, draft_config.intermediate_size, draft_config.draft_vocab_size
         kv = draft_config.num_key_value_heads * (draft_config.head_dim or h // draft_config.num_attention_heads)

@@ -264,10 +264,10 @@ class Eagle3DraftModel(nn.Module):
         return ProjectedTokens(self.midlayer.project_embeddings(embeds, weights), weights)
 
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor, attend: Callable,
-                **rows) -> tuple[torch.Tensor, torch.Tensor]:
+                **step) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for every row: ``(new pre-norm hidden [B,T,H], logits [B,T,Vd])``;
         the arguments are :meth:`next_hidden`'s."""
-        hidden = self.next_hidden(input_ids, position_ids, attend, **rows)
+        hidden = self.next_hidden(input_ids, position_ids, attend, **step)
         with record_function("eagle3.lm_head"):
             return hidden, self.compute_logits(hidden)
 

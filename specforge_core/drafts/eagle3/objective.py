@@ -146,7 +146,7 @@ EAGER_BLOCK = 1 << 22  # values per block of rows in the eager soft CE: 16 MB pe
 
 def _row_blocks(x: torch.Tensor) -> list[slice]:
     """Slices of the rows of ``x [N, Vd]`` of about ``EAGER_BLOCK`` values each."""
-    rows = max(1, EAGER_BLOCK // max(1, x.shape[-1]))
+    rows = max(1, EAGER_BLOCK // x.shape[-1])
     return [slice(r, r + rows) for r in range(0, x.shape[0], rows)]
 
 
