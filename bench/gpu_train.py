@@ -17,6 +17,9 @@ Phases (``--phases``, default all):
   samples, padding waste; and packed == unpacked per sample on this device;
 - ``draft``: our isolated draft step (objective forward + backward + AdamW) on dense shapes, timed
   step by step (synchronised after each, median) and back to back (as a training loop runs them);
+  and the same step handed its teacher
+  (``CapturedBatch.teacher``, made before the timing as the peer's logits are):
+  ``draft_vs_peer_same_inputs_<shape>``;
 - ``train``: the end-to-end loop (stream → objective → backward → optimizer), steady-state
   tokens/s and samples/s, capture share, padding, peak memory, peak staged features, seconds from
   launch to the first optimizer step;
@@ -27,11 +30,13 @@ Phases (``--phases``, default all):
 On CUDA the draft and train phases also count the host-device synchronisations of one step
 (``..._syncs_per_step``, ``set_sync_debug_mode``; where they came from in ``DIR/syncs_<key>.txt``).
 
-``--profile`` (draft phase, CUDA): per shape, forward / backward / optimizer by CUDA events, the
-forward's stages and the backward's autograd nodes by device time, the device's idle time by
-phase and stage (``..._idle_<phase|stage>_ms``) and by the launch that ended each gap
-(``DIR/idle_<key>.txt``: what the host was still doing while the device waited), a profiler
-table, the kernels by the op that launched them, and the timeline.
+``--profile`` (draft phase, CUDA): per shape, forward / backward / optimizer by CUDA events (and
+the host's time to launch each from an idle device), then 2 steps launched back to back after 2
+more: the forward's stages and the backward's autograd nodes by device time, the device's idle
+time by phase and stage (``..._idle_<phase|stage>_ms``) and by the launch that ended each gap
+(``DIR/idle_<key>.txt``: what the host was still doing while the device waited, and the host's
+CUDA runtime calls by name), a profiler table, the kernels by the op that launched them, and the
+timeline.
 
 ``--family dflash`` times the DFlash family instead (``--dflash-layers`` captured layers and draft
 layers, block ``--dflash-block``): capture without the final hidden, the DFlash objective, the
@@ -270,7 +275,7 @@ class TrainLoop:
         self.root, self.optimizer = build_step(cfg, d, draft, objective, total_steps=total_steps, accumulation_steps=1)
         sync(args.device)
         t.append(time.perf_counter())
-        self.d, self.loss_is_sum = d, family.loss_is_sum
+        self.d, self.loss_is_sum, self.draft = d, family.loss_is_sum, draft
         self.build_split = {"distributed": t[1] - t[0], "draft": t[2] - t[1], "step": t[3] - t[2]}
 
     def step(self, batch) -> None:
@@ -362,10 +367,33 @@ def phase_draft(args, backend, variant: str) -> None:
         if not attention:
             best = RESULTS.get(f"draft_{b}x{t}_tokens_per_s", 0.0)
             RESULTS[f"draft_{b}x{t}_tokens_per_s"] = max(best, b * t / s, b * t / s_run)
+        if args.family == "eagle3" and not attention:
+            time_teacher_given(args, loop, backend, batch, key, b, t)
         if args.profile and args.device.type == "cuda":
             profile_step(args, loop, batch, key)
         del batch
     del loop
+
+
+def time_teacher_given(args, loop, backend, batch, key: str, b: int, t: int) -> None:
+    """The same step handed its teacher (``CapturedBatch.teacher``, made before the timing) as the
+    peer's step is handed the target's full-vocab logits: the same inputs on both sides, the
+    target head's matmul in neither step. ``draft_teacher_given_<b>x<t>_tokens_per_s`` (the
+    better of per step and back to back; ``draft_vs_peer_same_inputs_*`` in ``main``)."""
+    import dataclasses
+
+    from specforge_core.drafts.eagle3.teacher import compute_teacher
+
+    made = compute_teacher(batch.last_hidden.flatten(0, 1), backend.lm_head_weight, loop.draft.t2d)
+    given = dataclasses.replace(batch, teacher=made)
+    if args.device.type == "cuda":
+        s = ref.timed(lambda: loop.step(given), warmup=2, iters=args.steps)
+        s_run = ref.timed_back_to_back(lambda: loop.step(given), warmup=1, iters=args.steps)
+    else:
+        s = s_run = _cpu_time(lambda: loop.step(given))
+    report(f"{key}_teacher_given_tokens_per_s", b * t / min(s, s_run))
+    best = RESULTS.get(f"draft_teacher_given_{b}x{t}_tokens_per_s", 0.0)
+    RESULTS[f"draft_teacher_given_{b}x{t}_tokens_per_s"] = max(best, b * t / min(s, s_run))
 
 
 def _device_ms(event, steps: int = 2) -> float:
@@ -376,33 +404,57 @@ def _device_ms(event, steps: int = 2) -> float:
 
 def profile_step(args, loop, batch, key: str) -> None:
     """Where one step's time goes: forward / backward / optimizer medians by CUDA events, then a
-    torch.profiler table of 2 steps (top kernels and ops by device time) in DIR/profile_<key>.txt,
+    torch.profiler table of 2 steps launched back to back after 2 more (top kernels and ops by
+    device time) in DIR/profile_<key>.txt,
     their kernels by the op that launched them in DIR/kernels_<key>.txt (:func:`kernels_by_origin`),
     the device's idle time by the launch that ended each gap in DIR/idle_<key>.txt
     (:func:`idle_by_launch`) and their timeline in DIR/trace_<key>.json.gz."""
     from torch.profiler import ProfilerActivity, profile
 
     parts = {"forward": [], "backward": [], "optimizer": []}
+    host = {"forward": [], "backward": []}  # the host's milliseconds to launch each, from an idle device
     for _ in range(args.steps):
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        t0 = time.perf_counter()
         ev[0].record()
         loss, sums = loop.root(batch)
         ev[1].record()
+        t1 = time.perf_counter()
         loop.optimizer.backward(loss)
         ev[2].record()
+        host["forward"].append((t1 - t0) * 1e3)
+        host["backward"].append((time.perf_counter() - t1) * 1e3)
         del loss, sums
         loop.optimizer.step()
         ev[3].record()
         ev[3].synchronize()
         for name, a, z in zip(parts, ev[:3], ev[1:]):
             parts[name].append(a.elapsed_time(z))
-    for name, ms in parts.items():
+    for name, ms in [*parts.items(), *((f"{k}_host", v) for k, v in host.items())]:
         report(f"{key}_{name}_ms", sorted(ms)[len(ms) // 2])
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        for _ in range(2):
+    # the last 2 of 4 steps launched back to back, as a trainer runs them: the first recorded one
+    # starts while the device still runs the one before (a step started on an idle device shows
+    # gaps the loop never has)
+    import tempfile
+
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp())
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / f"trace_{key}.json.gz"
+    recorded = {}
+
+    def ready(prof):
+        recorded["events"] = prof.key_averages()
+        recorded["shapes"] = prof.key_averages(group_by_input_shape=True)
+        prof.export_chrome_trace(str(trace))
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, on_trace_ready=ready,
+                 schedule=torch.profiler.schedule(wait=0, warmup=2, active=2, repeat=1)) as prof:
+        for i in range(4):
             loop.step(batch)
-        torch.cuda.synchronize()
-    events = prof.key_averages()
+            if i == 3:
+                torch.cuda.synchronize()  # every kernel of the last step done before the trace ends
+            prof.step()
+    events = recorded["events"]
     # the forward's named stages (record_function ranges in drafts/eagle3) and the backward by
     # autograd node: device time of the kernels each one launched, per step. A range has two rows:
     # the host's (its kernels' sum, and its host time: launching, dispatch, Python; where the device
@@ -423,19 +475,16 @@ def profile_step(args, loop, batch, key: str) -> None:
         report(f"{key}_bwd_{name}_ms", _device_ms(e))
     table = events.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
     cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90)
-    shapes = prof.key_averages(group_by_input_shape=True).table(
+    shapes = recorded["shapes"].table(
         sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=110)
+    timeline = trace_events(trace)  # the two steps' timeline (https://ui.perfetto.dev), kept with --out
+    for name, ms in device_idle(timeline, steps=2).items():
+        report(f"{key}_idle_{name}_ms", ms)
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"profile_{key}.txt").write_text(table + "\n\n" + cpu_table + "\n\n" + shapes)
-        # the two steps' timeline (open in https://ui.perfetto.dev): device gaps and what the host did then
-        trace = Path(args.out) / f"trace_{key}.json.gz"
-        prof.export_chrome_trace(str(trace))
-        timeline = trace_events(trace)
-        for name, ms in device_idle(timeline, steps=2).items():
-            report(f"{key}_idle_{name}_ms", ms)
-        (Path(args.out) / f"kernels_{key}.txt").write_text(kernels_table(kernels_by_origin(timeline, steps=2)))
-        (Path(args.out) / f"idle_{key}.txt").write_text(kernels_table(idle_by_launch(timeline, steps=2), "gaps"))
+        (out / f"profile_{key}.txt").write_text(table + "\n\n" + cpu_table + "\n\n" + shapes)
+        (out / f"kernels_{key}.txt").write_text(kernels_table(kernels_by_origin(timeline, steps=2)))
+        (out / f"idle_{key}.txt").write_text(
+            kernels_table(idle_by_launch(timeline, steps=2), "gaps") + "\n" + runtime_table(timeline, steps=2))
     print("\n".join(line[:160] for line in table.splitlines()[:24]), flush=True)
 
 
@@ -556,6 +605,23 @@ def idle_by_launch(events: list[dict], steps: int) -> list[tuple[float, float, s
             gaps.append((origins.get(corr, _UNKNOWN), ts - end))
         end = stop if end is None else max(end, stop)
     return _rows(gaps, steps)
+
+
+def runtime_table(events: list[dict], steps: int) -> str:
+    """The host's CUDA runtime and driver calls in a profiler timeline (``events``:
+    :func:`trace_events`) by name, host milliseconds per step, largest first: where the host
+    waited on the device (a synchronisation, an allocator's ``cudaFree`` or ``cudaHostAlloc``, or a
+    launch blocked on a full queue, which a host that runs ahead of the device shows as long
+    ``cudaLaunchKernel`` calls)."""
+    calls: dict = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
+            us, n = calls.get(e["name"], (0.0, 0))
+            calls[e["name"]] = (us + e["dur"], n + 1)
+    lines = ["host ms/step  calls/step  CUDA runtime / driver call"]
+    lines += [f"{us / 1e3 / steps:12.3f}  {n / steps:10.1f}  {name}"
+              for name, (us, n) in sorted(calls.items(), key=lambda kv: -kv[1][0])[:25]]
+    return "\n".join(lines) + "\n"
 
 
 def kernels_table(rows, count: str = "kernels") -> str:
@@ -815,6 +881,10 @@ def main(argv=None) -> None:
             ours, peer = RESULTS.get(f"draft_{b}x{t}_tokens_per_s"), RESULTS.get(f"{prefix}_{b}x{t}_tokens_per_s")
             if ours and peer:
                 report(f"draft_vs_{prefix}_{b}x{t}", ours / peer)
+        # both steps handed the target's output (the peer its logits, ours its teacher)
+        given, peer = RESULTS.get(f"draft_teacher_given_{b}x{t}_tokens_per_s"), RESULTS.get(f"peer_{b}x{t}_tokens_per_s")
+        if given and peer:
+            report(f"draft_vs_peer_same_inputs_{b}x{t}", given / peer)
     if "train_tokens_per_s" in RESULTS:
         report("train_best_tokens_per_s", RESULTS["train_tokens_per_s"])
     plain, peer, ours = (RESULTS.get(k) for k in ("plain_forward_tokens_per_s", "peer_best_tokens_per_s", "train_tokens_per_s"))

@@ -104,6 +104,9 @@ class CapturedBatch:
     seq_ids: torch.Tensor | None = None
     task_ids: tuple[str, ...] = ()
     host_masks: HostMasks | None = None
+    # The family's teacher, where the capture made it with the target's head (EAGLE3: a
+    # drafts.eagle3.teacher.Teacher of every flattened position); the objective makes it otherwise.
+    teacher: object | None = None
 
     @property
     def batch_size(self) -> int:
@@ -126,8 +129,8 @@ class CapturedBatch:
         total = 0
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
+            held = vars(value).values() if f.name == "teacher" and value is not None else (value,)  # its tensors
+            total += sum(x.numel() * x.element_size() for x in held if isinstance(x, torch.Tensor))
         return total
 
 

@@ -100,6 +100,9 @@ def test_each_idle_gap_counts_to_the_launch_that_ended_it(tmp_path):
                    (13, 2, "bench.forward", "aten::cos"),
                    (5, 1, "-", "-")]
     assert bench.kernels_table(rows, "gaps").splitlines()[0].startswith("ms/step  gaps/step")
+    # the host's runtime calls by name, largest first: four launches of 1 µs each
+    assert bench.runtime_table(bench.trace_events(trace), steps=1).splitlines()[1].split() == [
+        "0.004", "4.0", "cudaLaunchKernel"]
 
 
 def test_the_documented_cpu_smoke_run_of_the_gpu_bench_trains_a_tiny_draft(tmp_path):
@@ -110,3 +113,4 @@ def test_the_documented_cpu_smoke_run_of_the_gpu_bench_trains_a_tiny_draft(tmp_p
     results = json.loads((tmp_path / "results.json").read_text())
     assert "draft_eager_error" not in results, results["draft_eager_error"]
     assert results["draft_eager_1x256_tokens_per_s"] > 0
+    assert results["draft_eager_1x256_teacher_given_tokens_per_s"] > 0  # the same step handed its teacher

@@ -184,7 +184,10 @@ def ttt_unroll(
     at step k or later (step 0 also makes keys and values on every real token: they are the keys
     of their sample's later positions), the teacher on the indices some step reads. Padding and
     unsupervised positions cost nothing beyond the step-0 keys; the terms equal those of the full
-    ``[B, T]`` unroll. Which rows each step computes is worked out on the host from one copy of the
+    ``[B, T]`` unroll. A batch may carry its teacher already made (``batch.teacher``:
+    ``compute_teacher`` of every flattened position of ``last_hidden``, as a capture that runs the
+    target's head would make it); the unroll then reads its rows instead of running the head.
+    Which rows each step computes is worked out on the host from one copy of the
     batch's masks (:class:`UnrollPlan`), so the device never waits for the host inside the unroll.
     The steps' logits are made after the last step, for the rows of all steps at once; the
     terms of skipped steps are zeros. The terms are views of ``[K, B, T]`` tensors.
@@ -197,8 +200,12 @@ def ttt_unroll(
     with record_function("eagle3.plan"):
         plan = UnrollPlan.build(attn, lm, seq, ttt_length, device=ids.device, host=_host_masks(batch, b, t))
     with record_function("eagle3.teacher"):
-        teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
-                                  vocab_chunk=vocab_chunk)
+        given = _given_teacher(batch, b, t, draft.draft_vocab_size)
+        if given is not None:
+            teacher = given.take(plan.teacher_index + 1)
+        else:
+            teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
+                                      vocab_chunk=vocab_chunk)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
     # step k's token at position t is ids[t+1+k] (0 past the row's end, one pad per row): each is
     # embedded and projected once for all steps (model.Eagle3DecoderLayer's doc)
@@ -438,6 +445,22 @@ def eagle3_loss(
 
 def _field(batch, name):
     return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
+
+
+def _given_teacher(batch, b: int, t: int, vd: int):
+    """The batch's precomputed teacher (None where it has none), checked against its ``[B, T]``
+    and the draft vocabulary."""
+    given = _field(batch, "teacher")
+    if given is None:
+        return None
+    if tuple(given.logits.shape) != (b * t, vd) or given.lse.shape[0] != b * t:
+        raise ModelError(
+            f"the batch's teacher has logits {tuple(given.logits.shape)}, expected {(b * t, vd)}: "
+            "one row per flattened position, the draft vocabulary's columns",
+            where="captured batch: teacher",
+            fix="make it with compute_teacher(last_hidden.flatten(0, 1), lm_head_weight, draft.t2d), or leave it out",
+        )
+    return given
 
 
 def _host_masks(batch, b: int, t: int):

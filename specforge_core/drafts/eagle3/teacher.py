@@ -45,6 +45,11 @@ class Teacher:
         """The soft target: softmax over the draft-vocab logits (a new tensor each call)."""
         return softmax_from_lse(self.logits, self.lse)
 
+    def take(self, index: torch.Tensor) -> "Teacher":
+        """The teacher of the positions ``index`` (along the first dim)."""
+        return Teacher(*(x.index_select(0, index) for x in
+                         (self.logits, self.lse, self.log_mass, self.argmax, self.in_draft)))
+
     def target_probs(self) -> torch.Tensor:
         """Un-renormalised target probabilities of the draft tokens ``exp(z_d - logsumexp_V z)``."""
         return self.probs * self.log_mass.exp().unsqueeze(-1)

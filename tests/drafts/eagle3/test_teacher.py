@@ -1,5 +1,6 @@
 """The compact teacher equals what full [N, V] logits give, while streaming over vocab chunks."""
 
+import pytest
 import torch
 
 from specforge_core.drafts.eagle3.teacher import compute_teacher
@@ -58,3 +59,31 @@ def test_a_map_changed_in_place_gives_the_new_maps_teacher():
     t2d.copy_(random_map(40, 12, 1))
     probs, _, _ = full_teacher(h, W, t2d)
     torch.testing.assert_close(compute_teacher(h, W, t2d, vocab_chunk=16).probs.double(), probs, atol=1e-6, rtol=1e-5)
+
+
+def test_a_batch_carrying_its_teacher_trains_exactly_as_one_whose_unroll_makes_it():
+    from specforge_core.drafts.eagle3 import eagle3_loss
+    from specforge_core.errors import ModelError
+    from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
+
+    draft = tiny_draft(seed=3)
+    head = target_head(4, draft.config.target_hidden_size)
+    batch = random_batch(5, [9, 6], 10, draft.config.target_hidden_size)
+    made = compute_teacher(batch["last_hidden"].flatten(0, 1), head, draft.t2d)
+    results = []
+    for given in (None, made):
+        draft.zero_grad()
+        loss, sums = eagle3_loss(draft, {**batch, "teacher": given}, head, ttt_length=4, backend="sdpa")
+        loss.backward()
+        results.append((loss.detach(), {k: v.clone() for k, v in sums.items()},
+                        [p.grad.clone() for p in draft.parameters() if p.grad is not None]))
+    (loss0, sums0, grads0), (loss1, sums1, grads1) = results
+    assert torch.equal(loss0, loss1) and sums0.keys() == sums1.keys()
+    assert all(torch.equal(sums0[k], sums1[k]) for k in sums0)
+    assert len(grads0) == len(grads1) > 0 and all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+    # the given teacher is the one read: another head's teacher gives another loss
+    other = compute_teacher(batch["last_hidden"].flatten(0, 1), target_head(9, head.shape[1]), draft.t2d)
+    assert not torch.equal(eagle3_loss(draft, {**batch, "teacher": other}, head, ttt_length=4, backend="sdpa")[0], loss0)
+    # a teacher of other positions is refused, naming the field
+    with pytest.raises(ModelError, match="captured batch: teacher"):
+        eagle3_loss(draft, {**batch, "teacher": made.take(torch.arange(5))}, head, ttt_length=4, backend="sdpa")
