@@ -356,13 +356,11 @@ def phase_draft(args, backend, variant: str) -> None:
         key = f"draft_{variant.replace('-', '_')}_{b}x{t}"
         if args.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-            s = ref.timed(lambda: loop.step(batch), warmup=2, iters=args.steps)
-            s_run = ref.timed_back_to_back(lambda: loop.step(batch), warmup=1, iters=args.steps)
+        s, s_run = step_seconds(args, lambda: loop.step(batch))
+        if args.device.type == "cuda":
             report(f"{key}_peak_gib", gib(torch.cuda.max_memory_allocated()))
             report(f"{key}_back_to_back_tokens_per_s", b * t / s_run)
             count_syncs(args, key, lambda: loop.step(batch))
-        else:
-            s = s_run = _cpu_time(lambda: loop.step(batch))
         report(f"{key}_tokens_per_s", b * t / s)
         if not attention:
             best = RESULTS.get(f"draft_{b}x{t}_tokens_per_s", 0.0)
@@ -373,6 +371,16 @@ def phase_draft(args, backend, variant: str) -> None:
             profile_step(args, loop, batch, key)
         del batch
     del loop
+
+
+def step_seconds(args, step) -> tuple[float, float]:
+    """Seconds per ``step()``: each step alone (synchronised after each, median) and steps launched
+    back to back (one synchronisation after all); on a CPU one figure serves both."""
+    if args.device.type != "cuda":
+        s = _cpu_time(step)
+        return s, s
+    return (ref.timed(step, warmup=2, iters=args.steps),
+            ref.timed_back_to_back(step, warmup=1, iters=args.steps))
 
 
 def time_teacher_given(args, loop, backend, batch, key: str, b: int, t: int) -> None:
@@ -386,11 +394,7 @@ def time_teacher_given(args, loop, backend, batch, key: str, b: int, t: int) -> 
 
     made = compute_teacher(batch.last_hidden.flatten(0, 1), backend.lm_head_weight, loop.draft.t2d)
     given = dataclasses.replace(batch, teacher=made)
-    if args.device.type == "cuda":
-        s = ref.timed(lambda: loop.step(given), warmup=2, iters=args.steps)
-        s_run = ref.timed_back_to_back(lambda: loop.step(given), warmup=1, iters=args.steps)
-    else:
-        s = s_run = _cpu_time(lambda: loop.step(given))
+    s, s_run = step_seconds(args, lambda: loop.step(given))
     report(f"{key}_teacher_given_tokens_per_s", b * t / min(s, s_run))
     best = RESULTS.get(f"draft_teacher_given_{b}x{t}_tokens_per_s", 0.0)
     RESULTS[f"draft_teacher_given_{b}x{t}_tokens_per_s"] = max(best, b * t / min(s, s_run))
@@ -437,7 +441,8 @@ def profile_step(args, loop, batch, key: str) -> None:
     # gaps the loop never has)
     import tempfile
 
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp())
+    scratch = None if args.out else tempfile.TemporaryDirectory()  # the trace is read back, then dropped
+    out = Path(args.out or scratch.name)
     out.mkdir(parents=True, exist_ok=True)
     trace = out / f"trace_{key}.json.gz"
     recorded = {}
@@ -485,6 +490,8 @@ def profile_step(args, loop, batch, key: str) -> None:
         (out / f"kernels_{key}.txt").write_text(kernels_table(kernels_by_origin(timeline, steps=2)))
         (out / f"idle_{key}.txt").write_text(
             kernels_table(idle_by_launch(timeline, steps=2), "gaps") + "\n" + runtime_table(timeline, steps=2))
+    if scratch is not None:
+        scratch.cleanup()
     print("\n".join(line[:160] for line in table.splitlines()[:24]), flush=True)
 
 

@@ -3,7 +3,10 @@
 import pytest
 import torch
 
+from specforge_core.drafts.eagle3 import eagle3_loss
 from specforge_core.drafts.eagle3.teacher import compute_teacher
+from specforge_core.errors import ModelError
+from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
 
 
 def full_teacher(h, W, t2d):
@@ -62,10 +65,6 @@ def test_a_map_changed_in_place_gives_the_new_maps_teacher():
 
 
 def test_a_batch_carrying_its_teacher_trains_exactly_as_one_whose_unroll_makes_it():
-    from specforge_core.drafts.eagle3 import eagle3_loss
-    from specforge_core.errors import ModelError
-    from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
-
     draft = tiny_draft(seed=3)
     head = target_head(4, draft.config.target_hidden_size)
     batch = random_batch(5, [9, 6], 10, draft.config.target_hidden_size)
