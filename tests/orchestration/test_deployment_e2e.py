@@ -75,6 +75,13 @@ def _logs(client, flow_run_id) -> list[str]:
     return [log.message for log in client.read_logs(LogFilter(flow_run_id={"any_": [flow_run_id]}))]
 
 
+def _logs_with(client, flow_run_id, needle: str) -> list[str]:
+    """The flow run's log lines once one contains ``needle``: the run's state can be final before its
+    process has shipped its last lines to the API (they go in batches)."""
+    return wait_for(lambda: (logs := _logs(client, flow_run_id)) and any(needle in m for m in logs) and logs, 30,
+                    f"a line with {needle!r} in the flow run's logs", interval=1.0)
+
+
 def _run_dir(client, flow_run_id, config) -> Path:
     run = client.read_flow_run(flow_run_id)
     return run_dir_for(config["output"]["dir"], run.name, str(run.id))
@@ -128,8 +135,8 @@ def test_after_a_crash_a_retry_with_a_changed_plan_is_refused_and_a_plain_retry_
     stack.prefect("flow-run", "retry", flow_run_id)
     state = _wait_state(client, flow_run_id, {"Completed", "Failed", "Crashed"}, timeout=600)
     assert state.name == "Failed"
-    refusals = [m for m in _logs(client, flow_run_id) if "different prompt plan" in m]
-    assert refusals and "batch_size: checkpoint=2 run=1" in refusals[0]
+    refusals = [m for m in _logs_with(client, flow_run_id, "different prompt plan") if "different prompt plan" in m]
+    assert "batch_size: checkpoint=2 run=1" in refusals[0]
 
     # 2. The run's own parameters: data stages Cached, training resumes after the checkpoint.
     client.update_flow_run(flow_run_id, parameters={"config": slow_tiny})
@@ -138,7 +145,7 @@ def test_after_a_crash_a_retry_with_a_changed_plan_is_refused_and_a_plain_retry_
     assert state.name == "Completed", state.message
     states = _task_states(client, flow_run_id)
     assert all(states[name][-1] == "Cached" for name in DATA_STAGES), states
-    logs = _logs(client, flow_run_id)
+    logs = _logs_with(client, flow_run_id, "resuming from")
     resumed = [m for m in logs if m.startswith("resuming from")][-1]
     resumed_step = int(resumed.split("optimizer step ")[1].split()[0])
     assert resumed_step > 0
