@@ -30,7 +30,9 @@ Phases (``--phases``, default all):
 On CUDA the draft and train phases also count the host-device synchronisations of one step
 (``..._syncs_per_step``, ``set_sync_debug_mode``; where they came from in ``DIR/syncs_<key>.txt``).
 
-``--profile`` (draft phase, CUDA): per shape, forward / backward / optimizer by CUDA events (and
+``--profile`` (CUDA) in the train phase records 2 steps of the loop launched back to back (the
+capture named ``bench.capture``, then the step) with the same tables (``..._train_<variant>``);
+in the draft phase, per shape, forward / backward / optimizer by CUDA events (and
 the host's time to launch each from an idle device), then 2 steps launched back to back after 2
 more: the forward's stages and the backward's autograd nodes by device time, the device's idle
 time by phase and stage (``..._idle_<phase|stage>_ms``) and by the launch that ended each gap
@@ -45,8 +47,11 @@ same builder; its peer is SpecForge 0.2.0's ``DFlashDraftModel`` + ``OnlineDFlas
 
 Every figure is printed as one ``key=value`` line and written to ``DIR/results.json``; the last
 lines are ``vs_peer_best_capture=<x>`` (our end-to-end tokens/s over the serial combination of OUR
-best packed capture and the peer's best draft step: a peer that compiled its capture too) and
-``vs_peer=<x>``: ours over the serial combination of a plain target forward and the peer's draft
+best packed capture and the peer's best draft step: a peer that compiled its capture too),
+``vs_peer_best_capture_logits=<x>`` (the same capture also making the target head's full-vocab
+logits that the peer's step is handed: ``capture_*_with_logits_tokens_per_s``),
+``vs_peer_compact_best_capture=<x>`` (with ``--peer-teachers full,compact``: the peer making its
+teacher from the last hidden state) and ``vs_peer=<x>``: ours over the serial combination of a plain target forward and the peer's draft
 step, ``1 / (1/plain + 1/peer)``.
 """
 
@@ -146,19 +151,35 @@ def _cpu_time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure_stream(args, backend, rows, name, *, batch_size, token_budget) -> None:
-    """Steady-state capture figures of the real path (plan → stream → backend), 2 warm-up captures."""
+def measure_stream(args, backend, rows, name, *, batch_size, token_budget, logits: bool = False) -> None:
+    """Steady-state capture figures of the real path (plan → stream → backend), 2 warm-up captures.
+
+    ``logits`` (CUDA): also time the target head's full-vocab bf16 logits of every captured token,
+    what a capture that feeds SpecForge's step makes (its step is handed them): ``*_with_logits``."""
     stream = make_stream(args, backend, rows, batch_size=batch_size, token_budget=token_budget, steps=args.steps + 2)
     for _ in range(2):
         batch = next(stream)
         del batch
     start = stream.stats.as_dict()
+    heads = []
     for batch in stream:
+        if logits and batch.last_hidden is not None and args.device.type == "cuda":
+            heads.append([torch.cuda.Event(enable_timing=True) for _ in range(2)])
+            heads[-1][0].record()
+            z = batch.last_hidden[batch.attention_mask.bool()] @ backend.lm_head_weight.t()  # [tokens, V] bf16
+            heads[-1][1].record()
+            del z
         del batch
     end = stream.stats.as_dict()
     tokens = end["island_tokens"] - start["island_tokens"]
     slots = end["local_slots"] - start["local_slots"]
-    report(f"capture_{name}_tokens_per_s", tokens / (end["capture_seconds"] - start["capture_seconds"]))
+    seconds = end["capture_seconds"] - start["capture_seconds"]
+    report(f"capture_{name}_tokens_per_s", tokens / seconds)
+    if heads:
+        heads[-1][1].synchronize()
+        head = sum(a.elapsed_time(b) for a, b in heads) / 1e3
+        report(f"capture_{name}_head_logits_seconds_per_step", head / args.steps)
+        report(f"capture_{name}_with_logits_tokens_per_s", tokens / (seconds + head))
     report(f"capture_{name}_padding", 1 - tokens / slots)
     report(f"capture_{name}_tokens_per_step", tokens / args.steps)
 
@@ -169,7 +190,8 @@ def phase_capture(args, backend, rows) -> None:
     from specforge_core.capture.base import TargetRequest
 
     measure_stream(args, backend, rows, "unpacked", batch_size=args.unpacked_batch, token_budget=None)
-    measure_stream(args, backend, rows, "packed", batch_size=args.batch_size, token_budget=args.token_budget)
+    measure_stream(args, backend, rows, "packed", batch_size=args.batch_size, token_budget=args.token_budget,
+                   logits=args.family == "eagle3")
     # The floor for the packed capture: a plain flat forward of one batch's samples.
     sample = rows[: args.batch_size]
     request = TargetRequest.from_rows([r["input_ids"] for r in sample], [r["loss_mask"] for r in sample],
@@ -191,7 +213,8 @@ def phase_capture_compiled(args, backend, rows) -> None:
     from specforge_core.runtime.compile import compile_pointwise
 
     report("capture_compiled_modules", compile_pointwise(backend._decoder))
-    measure_stream(args, backend, rows, "packed_compiled", batch_size=args.batch_size, token_budget=args.token_budget)
+    measure_stream(args, backend, rows, "packed_compiled", batch_size=args.batch_size, token_budget=args.token_budget,
+                   logits=args.family == "eagle3")
     faster = RESULTS["capture_packed_compiled_tokens_per_s"] > RESULTS.get("capture_packed_tokens_per_s", 0)
     report("capture_compiled_used", faster)
     if not faster:
@@ -407,14 +430,9 @@ def _device_ms(event, steps: int = 2) -> float:
 
 
 def profile_step(args, loop, batch, key: str) -> None:
-    """Where one step's time goes: forward / backward / optimizer medians by CUDA events, then a
-    torch.profiler table of 2 steps launched back to back after 2 more (top kernels and ops by
-    device time) in DIR/profile_<key>.txt,
-    their kernels by the op that launched them in DIR/kernels_<key>.txt (:func:`kernels_by_origin`),
-    the device's idle time by the launch that ended each gap in DIR/idle_<key>.txt
-    (:func:`idle_by_launch`) and their timeline in DIR/trace_<key>.json.gz."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """Where one step's time goes: forward / backward / optimizer medians by CUDA events, then 2
+    steps launched back to back under the profiler (:func:`record_steps`): the forward's stages,
+    the backward's nodes and the device's idle time per step."""
     parts = {"forward": [], "backward": [], "optimizer": []}
     host = {"forward": [], "backward": []}  # the host's milliseconds to launch each, from an idle device
     for _ in range(args.steps):
@@ -436,30 +454,7 @@ def profile_step(args, loop, batch, key: str) -> None:
             parts[name].append(a.elapsed_time(z))
     for name, ms in [*parts.items(), *((f"{k}_host", v) for k, v in host.items())]:
         report(f"{key}_{name}_ms", sorted(ms)[len(ms) // 2])
-    # the last 2 of 4 steps launched back to back, as a trainer runs them: the first recorded one
-    # starts while the device still runs the one before (a step started on an idle device shows
-    # gaps the loop never has)
-    import tempfile
-
-    scratch = None if args.out else tempfile.TemporaryDirectory()  # the trace is read back, then dropped
-    out = Path(args.out or scratch.name)
-    out.mkdir(parents=True, exist_ok=True)
-    trace = out / f"trace_{key}.json.gz"
-    recorded = {}
-
-    def ready(prof):
-        recorded["events"] = prof.key_averages()
-        recorded["shapes"] = prof.key_averages(group_by_input_shape=True)
-        prof.export_chrome_trace(str(trace))
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, on_trace_ready=ready,
-                 schedule=torch.profiler.schedule(wait=0, warmup=2, active=2, repeat=1)) as prof:
-        for i in range(4):
-            loop.step(batch)
-            if i == 3:
-                torch.cuda.synchronize()  # every kernel of the last step done before the trace ends
-            prof.step()
-    events = recorded["events"]
+    events, timeline = record_steps(args, key, lambda: loop.step(batch))
     # the forward's named stages (record_function ranges in drafts/eagle3) and the backward by
     # autograd node: device time of the kernels each one launched, per step. A range has two rows:
     # the host's (its kernels' sum, and its host time: launching, dispatch, Python; where the device
@@ -478,13 +473,46 @@ def profile_step(args, loop, batch, key: str) -> None:
     for e in backward[:12]:
         name = e.key.removeprefix(AUTOGRAD_NODE)
         report(f"{key}_bwd_{name}_ms", _device_ms(e))
+    for name, ms in device_idle(timeline, steps=2).items():
+        report(f"{key}_idle_{name}_ms", ms)
+
+
+def record_steps(args, key: str, step) -> tuple:
+    """The last 2 of 4 ``step()`` calls launched back to back, as a trainer runs them (the first
+    recorded one starts while the device still runs the one before: a step started on an idle
+    device shows gaps the loop never has), under torch.profiler. Writes, with ``--out``, a table of
+    the top kernels and ops by device time (DIR/profile_<key>.txt), the kernels by the op that
+    launched them (DIR/kernels_<key>.txt, :func:`kernels_by_origin`), the device's idle time by the
+    launch that ended each gap (DIR/idle_<key>.txt, :func:`idle_by_launch`) and the timeline
+    (DIR/trace_<key>.json.gz). Returns the profiler's averages and the timeline's events."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    scratch = None if args.out else tempfile.TemporaryDirectory()  # the trace is read back, then dropped
+    out = Path(args.out or scratch.name)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / f"trace_{key}.json.gz"
+    recorded = {}
+
+    def ready(prof):
+        recorded["events"] = prof.key_averages()
+        recorded["shapes"] = prof.key_averages(group_by_input_shape=True)
+        prof.export_chrome_trace(str(trace))
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, on_trace_ready=ready,
+                 schedule=torch.profiler.schedule(wait=0, warmup=2, active=2, repeat=1)) as prof:
+        for i in range(4):
+            step()
+            if i == 3:
+                torch.cuda.synchronize()  # every kernel of the last step done before the trace ends
+            prof.step()
+    events = recorded["events"]
     table = events.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
     cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90)
     shapes = recorded["shapes"].table(
         sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=110)
     timeline = trace_events(trace)  # the two steps' timeline (https://ui.perfetto.dev), kept with --out
-    for name, ms in device_idle(timeline, steps=2).items():
-        report(f"{key}_idle_{name}_ms", ms)
     if args.out:
         (out / f"profile_{key}.txt").write_text(table + "\n\n" + cpu_table + "\n\n" + shapes)
         (out / f"kernels_{key}.txt").write_text(kernels_table(kernels_by_origin(timeline, steps=2)))
@@ -493,6 +521,7 @@ def profile_step(args, loop, batch, key: str) -> None:
     if scratch is not None:
         scratch.cleanup()
     print("\n".join(line[:160] for line in table.splitlines()[:24]), flush=True)
+    return events, timeline
 
 
 AUTOGRAD_NODE = "autograd::engine::evaluate_function: "  # the profiler's name prefix of a backward node
@@ -716,6 +745,20 @@ def phase_train(args, backend, rows, variant: str) -> None:
         report(f"{key}_peak_allocated_gib", gib(torch.cuda.max_memory_allocated()))
         report(f"{key}_peak_reserved_gib", gib(torch.cuda.max_memory_reserved()))
     RESULTS["train_tokens_per_s"] = max(RESULTS.get("train_tokens_per_s", 0.0), tokens / seconds)
+    if args.profile and args.device.type == "cuda":  # the same loop under the profiler: capture + step
+        stream = make_stream(args, backend, rows, batch_size=args.batch_size, token_budget=args.token_budget,
+                             steps=warmup + 4)
+        for _ in range(warmup):
+            loop.step(next(stream))
+
+        def step():
+            with record_function("bench.capture"):
+                batch = next(stream)
+            loop.step(batch)
+
+        _, timeline = record_steps(args, key, step)
+        for name, ms in device_idle(timeline, steps=2).items():
+            report(f"{key}_idle_{name}_ms", ms)
     del loop
 
 
@@ -789,7 +832,8 @@ def parse_args(argv=None):
     p.add_argument("--dflash-mask", type=int, default=151669, help="DFlash mask token id (Qwen3's)")
     p.add_argument("--peer-teachers", default="full",
                    help="full (the peer's best: handed target logits); full,compact: also from the last hidden state")
-    p.add_argument("--profile", action="store_true", help="draft phase: split and profile each timed shape (DIR/profile_*.txt, kernels_*.txt, idle_*.txt, trace_*.json.gz)")
+    p.add_argument("--profile", action="store_true", help="draft phase: split and profile each timed shape; train phase: "
+                   "profile 2 steps of the loop, capture and step (DIR/profile_*.txt, kernels_*.txt, idle_*.txt, trace_*.json.gz)")
     p.add_argument("--compile-cache", default=None,
                    help="TORCHINDUCTOR_CACHE_DIR for this process (an empty one: a cold start; the product "
                         "keeps <output.dir>/compile-cache)")
@@ -901,6 +945,17 @@ def main(argv=None) -> None:
         # the stricter line: a peer that captured as fast as our best capture
         report("serial_peer_best_capture_tokens_per_s", 1 / (1 / capture + 1 / peer))
         report("vs_peer_best_capture", ours / RESULTS["serial_peer_best_capture_tokens_per_s"])
+    with_logits = max((RESULTS.get(f"capture_{k}_with_logits_tokens_per_s", 0.0) for k in ("packed", "packed_compiled")),
+                      default=0.0)
+    if peer and ours and with_logits:
+        # the same line with the peer's step fed what it reads: our best capture also makes the
+        # target head's full-vocab logits (ours makes its teacher inside its step, from the last hidden)
+        report("serial_peer_best_capture_logits_tokens_per_s", 1 / (1 / with_logits + 1 / peer))
+        report("vs_peer_best_capture_logits", ours / RESULTS["serial_peer_best_capture_logits_tokens_per_s"])
+    compact = RESULTS.get("peer_compact_best_tokens_per_s")
+    if compact and ours and capture:  # or the peer's own teacher from the last hidden state, as ours
+        report("serial_peer_compact_best_capture_tokens_per_s", 1 / (1 / capture + 1 / compact))
+        report("vs_peer_compact_best_capture", ours / RESULTS["serial_peer_compact_best_capture_tokens_per_s"])
     if plain and peer and ours:
         report("serial_peer_tokens_per_s", 1 / (1 / plain + 1 / peer))
         report("vs_peer", ours / RESULTS["serial_peer_tokens_per_s"])
