@@ -32,10 +32,10 @@ On CUDA the draft and train phases also count the host-device synchronisations o
 
 ``--profile`` (CUDA) in the train phase records 2 steps of the loop launched back to back (the
 capture named ``bench.capture``, then the step) with the same tables (``..._train_<variant>``);
-in the draft phase, per shape, forward / backward / optimizer by CUDA events (and
-the host's time to launch each from an idle device), then 2 steps launched back to back after 2
-more: the forward's stages and the backward's autograd nodes by device time, the device's idle
-time by phase and stage (``..._idle_<phase|stage>_ms``) and by the launch that ended each gap
+in the draft phase, per shape, forward / backward / optimizer by CUDA events (and the host's
+time to launch each from an idle device), then 2 steps launched back to back after 2 more: the
+forward's stages and the backward's autograd nodes by device time, the device's idle time by
+phase and stage (``..._idle_<phase|stage>_ms``) and by the launch that ended each gap
 (``DIR/idle_<key>.txt``: what the host was still doing while the device waited, and the host's
 CUDA runtime calls by name), a profiler table, the kernels by the op that launched them, and the
 timeline.
@@ -51,8 +51,8 @@ best packed capture and the peer's best draft step: a peer that compiled its cap
 ``vs_peer_best_capture_logits=<x>`` (the same capture also making the target head's full-vocab
 logits that the peer's step is handed: ``capture_*_with_logits_tokens_per_s``),
 ``vs_peer_compact_best_capture=<x>`` (with ``--peer-teachers full,compact``: the peer making its
-teacher from the last hidden state) and ``vs_peer=<x>``: ours over the serial combination of a plain target forward and the peer's draft
-step, ``1 / (1/plain + 1/peer)``.
+teacher from the last hidden state) and ``vs_peer=<x>``: ours over the serial combination of a
+plain target forward and the peer's draft step, ``1 / (1/plain + 1/peer)``.
 """
 
 import time
@@ -701,6 +701,7 @@ def phase_train(args, backend, rows, variant: str) -> None:
                          steps=warmup + args.steps)
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+        report(f"train_{variant}_start_allocated_gib", gib(torch.cuda.memory_allocated()))  # target, draft, optimizer
     first: dict = {"build_loop": time.perf_counter() - t0, **{f"build_{k}": v for k, v in loop.build_split.items()}}
     for i in range(warmup):
         if i == warmup - 1 and i and args.device.type == "cuda":  # the last warm-up step: where the host waits
