@@ -887,6 +887,17 @@ def run_phase(name, fn, args) -> None:
         (Path(args.out) / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
+def report_vs_serial(name: str, ours, capture, step) -> bool:
+    """``serial_<name>_tokens_per_s``: a pipeline of ``capture`` then ``step`` in series
+    (``1 / (1/capture + 1/step)``), and ``vs_<name>``: ``ours`` over it. False (nothing reported)
+    where a figure is missing."""
+    if not (ours and capture and step):
+        return False
+    report(f"serial_{name}_tokens_per_s", 1 / (1 / capture + 1 / step))
+    report(f"vs_{name}", ours / RESULTS[f"serial_{name}_tokens_per_s"])
+    return True
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
@@ -942,25 +953,15 @@ def main(argv=None) -> None:
     plain, peer, ours = (RESULTS.get(k) for k in ("plain_forward_tokens_per_s", "peer_best_tokens_per_s", "train_tokens_per_s"))
     capture = max((RESULTS.get(k, 0.0) for k in ("capture_packed_tokens_per_s", "capture_packed_compiled_tokens_per_s")),
                   default=0.0)
-    if peer and ours and capture:
-        # the stricter line: a peer that captured as fast as our best capture
-        report("serial_peer_best_capture_tokens_per_s", 1 / (1 / capture + 1 / peer))
-        report("vs_peer_best_capture", ours / RESULTS["serial_peer_best_capture_tokens_per_s"])
-    with_logits = max((RESULTS.get(f"capture_{k}_with_logits_tokens_per_s", 0.0) for k in ("packed", "packed_compiled")),
-                      default=0.0)
-    if peer and ours and with_logits:
-        # the same line with the peer's step fed what it reads: our best capture also makes the
-        # target head's full-vocab logits (ours makes its teacher inside its step, from the last hidden)
-        report("serial_peer_best_capture_logits_tokens_per_s", 1 / (1 / with_logits + 1 / peer))
-        report("vs_peer_best_capture_logits", ours / RESULTS["serial_peer_best_capture_logits_tokens_per_s"])
-    compact = RESULTS.get("peer_compact_best_tokens_per_s")
-    if compact and ours and capture:  # or the peer's own teacher from the last hidden state, as ours
-        report("serial_peer_compact_best_capture_tokens_per_s", 1 / (1 / capture + 1 / compact))
-        report("vs_peer_compact_best_capture", ours / RESULTS["serial_peer_compact_best_capture_tokens_per_s"])
-    if plain and peer and ours:
-        report("serial_peer_tokens_per_s", 1 / (1 / plain + 1 / peer))
-        report("vs_peer", ours / RESULTS["serial_peer_tokens_per_s"])
-    else:
+    # the stricter line: a peer that captured as fast as our best capture
+    report_vs_serial("peer_best_capture", ours, capture, peer)
+    # the same line with the peer's step fed what it reads: our best capture also makes the
+    # target head's full-vocab logits (ours makes its teacher inside its step, from the last hidden)
+    with_logits = max(RESULTS.get(f"capture_{k}_with_logits_tokens_per_s", 0.0) for k in ("packed", "packed_compiled"))
+    report_vs_serial("peer_best_capture_logits", ours, with_logits, peer)
+    # or the peer's own teacher from the last hidden state, as ours
+    report_vs_serial("peer_compact_best_capture", ours, capture, RESULTS.get("peer_compact_best_tokens_per_s"))
+    if not report_vs_serial("peer", ours, plain, peer):
         print("vs_peer=nan", flush=True)
     if args.out:
         (Path(args.out) / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
