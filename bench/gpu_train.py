@@ -209,10 +209,22 @@ def phase_capture(args, backend, rows) -> None:
 
 
 def phase_capture_compiled(args, backend, rows) -> None:
-    """The packed capture with the target's norms/MLPs compiled; kept for training only if faster."""
-    from specforge_core.runtime.compile import compile_pointwise
+    """The packed capture with the target's decoder layers compiled (``training.compile``); kept
+    for training only if faster. ``capture_compiled_vs_eager_rel_err``: one batch's capture,
+    compiled against eager (the worst of aux and last hidden; bf16 rounding of fused kernels)."""
+    from specforge_core.capture.base import TargetRequest
+    from specforge_core.runtime.compile import compile_target
 
-    report("capture_compiled_modules", compile_pointwise(backend._decoder))
+    sample = rows[: args.batch_size]
+    request = TargetRequest.from_rows([r["input_ids"] for r in sample], [r["loss_mask"] for r in sample],
+                                      slice(0, len(sample)), token_budget=args.token_budget)
+    eager = backend.capture(request)
+    report("capture_compiled_modules", compile_target(backend._decoder))
+    compiled = backend.capture(request)
+    report("capture_compiled_vs_eager_rel_err", max(
+        _rel_err(compiled.aux_hidden, eager.aux_hidden),
+        0.0 if eager.last_hidden is None else _rel_err(compiled.last_hidden, eager.last_hidden)))
+    del eager, compiled
     measure_stream(args, backend, rows, "packed_compiled", batch_size=args.batch_size, token_budget=args.token_budget,
                    logits=args.family == "eagle3")
     faster = RESULTS["capture_packed_compiled_tokens_per_s"] > RESULTS.get("capture_packed_tokens_per_s", 0)
@@ -220,15 +232,17 @@ def phase_capture_compiled(args, backend, rows) -> None:
     if not faster:
         for module in backend._decoder.modules():
             module._compiled_call_impl = None
+            vars(module).pop("forward", None)  # a compiled layer's region
+
+
+def _rel_err(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def check_packed_equals_unpacked(backend, request, token_budget) -> None:
     """Per sample, the packed capture vs the sample captured alone (one row, no padding, the dense
     causal kernel) on this device: the worst relative error over aux and last hidden."""
     from dataclasses import replace
-
-    def rel(got, want):
-        return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
     n = min(4, len(request.input_ids))
     packed = backend.capture(replace(request, token_budget=token_budget))
@@ -239,11 +253,11 @@ def check_packed_equals_unpacked(backend, request, token_budget) -> None:
         alone = backend.capture(replace(request, input_ids=request.input_ids[i : i + 1],
                                         loss_mask=request.loss_mask[i : i + 1], local=slice(0, 1)))
         where, length = packed.seq_ids == i, len(request.input_ids[i])
-        worst = max(worst, rel(packed.aux_hidden[where], alone.aux_hidden[0]))
-        noise = max(noise, rel(padded.aux_hidden[i, :length], alone.aux_hidden[0]))
+        worst = max(worst, _rel_err(packed.aux_hidden[where], alone.aux_hidden[0]))
+        noise = max(noise, _rel_err(padded.aux_hidden[i, :length], alone.aux_hidden[0]))
         if alone.last_hidden is not None:  # DFlash captures no final hidden
-            worst = max(worst, rel(packed.last_hidden[where], alone.last_hidden[0]))
-            noise = max(noise, rel(padded.last_hidden[i, :length], alone.last_hidden[0]))
+            worst = max(worst, _rel_err(packed.last_hidden[where], alone.last_hidden[0]))
+            noise = max(noise, _rel_err(padded.last_hidden[i, :length], alone.last_hidden[0]))
     report("packed_vs_alone_rel_err", worst)
     report("padded_vs_alone_rel_err", noise)  # the same samples through the padded, masked kernel: bf16 noise
 
@@ -691,9 +705,9 @@ def phase_train(args, backend, rows, variant: str) -> None:
     process with an empty ``--compile-cache`` for a clean process's figure."""
     cold = "seconds_to_first_optimizer_step" not in RESULTS
     if variant == "compiled" and "capture_compiled_used" not in RESULTS and args.device.type == "cuda":
-        from specforge_core.runtime.compile import compile_pointwise  # what training.compile does to the target
+        from specforge_core.runtime.compile import compile_target  # what training.compile does to the target
 
-        report("train_target_compiled_modules", compile_pointwise(backend._decoder))
+        report("train_target_compiled_modules", compile_target(backend._decoder))
     t0, c0 = time.perf_counter(), compile_seconds()
     loop = TrainLoop(args, backend, compile_pointwise=variant == "compiled")
     warmup = 3

@@ -38,7 +38,7 @@ from specforge_core.capture.base import (
 from specforge_core.capture.packing import layout_for
 from specforge_core.capture.target_info import load_target_config, resolve_capture_layers, text_config, validate_colocated
 from specforge_core.runtime.device import resolve_dtype
-from specforge_core.runtime.compile import compile_pointwise
+from specforge_core.runtime.compile import compile_target
 from specforge_core.errors import ModelError
 
 
@@ -66,7 +66,7 @@ class HFCaptureBackend:
             )
         varlen.install(model)
         if compile and self.device.type == "cuda":
-            compile_pointwise(self._decoder)
+            compile_target(self._decoder)
         self._grabbed: dict[int, torch.Tensor] = {}
         self._hooks = [
             layers[layer].register_forward_hook(partial(self._grab, slot))

@@ -16,6 +16,9 @@ to every attention call) and runs:
   computes only each sample's causal triangle;
 - elsewhere (CPU tests, fp32): a loop of causal ``scaled_dot_product_attention`` per sample.
 
+Both sit behind one custom op, :func:`varlen_attention`, which a compiled decoder layer
+(``training.compile`` on CUDA) traces as a single call.
+
 Without ``cu_seq_lens_q`` (an unpacked, padded capture) it is transformers' own ``sdpa`` path, mask
 included, so installing it changes nothing else. Inside :func:`packed_call` the mask builder
 builds no mask at all, and the call passes an all-true padding mask: without one, transformers
@@ -53,6 +56,35 @@ def packed_call(lengths: list[int], device: torch.device):
         _in_packed_call.reset(token)
 
 
+@torch.library.custom_op("specforge::varlen_attention", mutates_args=())
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+                     scale: float) -> torch.Tensor:
+    """Per-sample causal attention of ``q [N, nh, hd]``, ``k``/``v`` ``[N, nkv, hd]`` over the samples
+    that ``cu`` (cumulative lengths, int32) cuts the N tokens into → ``[N, nh, hd]``.
+
+    A custom op, so that a compiled decoder layer (``runtime.compile.compile_target``) traces it
+    as one opaque call: the element-wise work on both sides of it (RoPE and the ``[N, heads, hd]``
+    layout before, the residual and norm after) fuses around it, and the per-sample loop of the
+    CPU path never reaches the tracer."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return torch.ops.aten._flash_attention_forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, 0.0, True, False, scale=scale
+        )[0]
+    out = torch.empty_like(q)
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        out[start:end] = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=qs.shape[0] != ks.shape[0]
+        ).transpose(0, 1)
+    return out
+
+
+@varlen_attention.register_fake
+def _(q, k, v, cu, longest, scale):
+    return q.new_empty(q.shape)
+
+
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """``query [1, nh, N, hd]``, ``key``/``value`` ``[1, nkv, N, hd]`` → ``([1, N, nh, hd], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -62,21 +94,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one flat row, got a batch of {query.shape[0]}")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, hd]
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        longest = int(kwargs["max_length_q"])
-        out = torch.ops.aten._flash_attention_forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, 0.0, True, False, scale=scaling
-        )[0]
-    else:
-        out = torch.empty_like(q)
-        bounds = cu.tolist()
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-            out[start:end] = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=qs.shape[0] != ks.shape[0]
-            ).transpose(0, 1)
-    return out.unsqueeze(0), None
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, hd]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    return varlen_attention(q, k, v, cu, int(kwargs["max_length_q"]), float(scale)).unsqueeze(0), None
 
 
 def _mask(*args, attention_mask=None, **kwargs):

@@ -1,16 +1,18 @@
 """``torch.compile`` where it pays in the training step, and where its caches live.
 
-    from specforge_core.runtime.compile import compile_pointwise, fused, use_fused, compile_cache
-    compile_pointwise(target.model)      # the hf backend does this with training.compile on CUDA
+    from specforge_core.runtime.compile import compile_pointwise, compile_target, fused, use_fused, compile_cache
+    compile_target(target.model)         # the hf backend does this with training.compile on CUDA
     compile_pointwise(draft)             # python -m specforge_core.train does this likewise
     loss = fused(fn, logits.device)(logits, ...)   # the EAGLE3 unroll's memory-bound passes
     with compile_cache(run_dir / "compile-cache"): ...   # train.py: a resumed run reuses the graphs
 
-Two kinds of code are compiled, both only with ``training.compile`` on CUDA (the draft builder
+Three kinds of code are compiled, all only with ``training.compile`` on CUDA (the draft builder
 calls :func:`use_fused`; flex attention, the EAGLE3 draft's attention in fp32 and DFlash's, is
 compiled always, it has no fast eager path):
 
-- every ``*RMSNorm`` (fp32 cast, variance, rsqrt, scale) and ``*MLP`` (SiLU × up) module: several
+- the target's decoder layers, each as one region (:func:`compile_target`: RoPE, the residual
+  adds and norms, the MLP's SiLU × up fused around the matmuls and the packed attention);
+- every other ``*RMSNorm`` (fp32 cast, variance, rsqrt, scale) and ``*MLP`` (SiLU × up) module: several
   passes over the activations in eager mode, one fused kernel around the matmuls compiled; the
   EAGLE3 draft's decoder layer instead as two regions (``compiled_regions``: the hidden norm,
   q/k/v's hidden half added to the step's rows of the embedding half, RoPE; o_proj, residuals,
@@ -82,20 +84,53 @@ def rows_dynamic(compiled, *, matrix_rows: bool = True):
     return run
 
 
-def compile_pointwise(root: nn.Module) -> int:
+def compile_target(decoder: nn.Module, **options) -> int:
+    """``training.compile`` for the target the ``hf`` backend captures from (a transformers decoder
+    with a ``layers`` list): each decoder layer's ``forward`` as one region, then
+    :func:`compile_pointwise` for what lies outside the layers (the final norm). Returns how many
+    were compiled; ``options`` go to ``torch.compile`` (a test's backend).
+
+    One region per layer fuses what per-module compiling leaves eager: RoPE on q and k with their
+    ``[N, heads, hd]`` layout for the attention, and each residual add with the norm after it
+    (the packed attention is one opaque op, ``capture.varlen.varlen_attention``). All layers share
+    one graph (their parameters are graph inputs). Floating inputs keep their last dim (hidden
+    size, head size) constant; every other size is symbolic, so changing token and sample counts
+    (positions, the samples' cumulative lengths) reuse the graph. Forward hooks on the layers
+    (the capture's) run outside the region."""
+    layers = list(getattr(decoder, "layers", ()))
+    for layer in layers:
+        layer.forward = _last_dim_static(torch.compile(layer.forward, dynamic=True, **options))
+    return len(layers) + compile_pointwise(decoder, skip=layers)
+
+
+def _last_dim_static(compiled):
+    """``compiled`` called with the last dim of each floating tensor input (also in tuples) marked
+    static, every other size symbolic (:func:`compile_target`)."""
+
+    def run(*args, **kwargs):
+        for arg in (*args, *kwargs.values()):
+            for x in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2:
+                    torch._dynamo.mark_static(x, x.dim() - 1)
+        return compiled(*args, **kwargs)
+
+    return run
+
+
+def compile_pointwise(root: nn.Module, *, skip=()) -> int:
     """``torch.compile(dynamic=True)`` every ``*RMSNorm`` and ``*MLP`` module under ``root``, and
     each method a module's class names in ``compiled_regions`` (one region each: its norms, MLP,
     projections and the element-wise work between them in one graph; modules under it are left
     to it).
 
-    Returns how many were compiled. Modules of one class share one compiled graph (their
+    Returns how many were compiled; modules in ``skip`` and under them are left alone. Modules of one class share one compiled graph (their
     parameters are graph inputs, their sizes static); ``dynamic=True`` because token counts
     change every step. A region's other inputs have only their rows symbolic
     (:func:`rows_dynamic` without ``matrix_rows``: a 2-D input, such as the q/k/v weight the
     training step folds once, is all static). Forward and backward both use the compiled kernels.
     """
     count = 0
-    covered: set[int] = set()
+    covered = {id(m) for top in skip for m in top.modules()}
     for module in root.modules():
         if id(module) in covered:
             continue

@@ -137,3 +137,33 @@ def test_smollm2_capture_matches_transformers(smollm2_dir):
 def test_hidden_states_at_padded_positions_are_zero(tiny_target_dir):
     batch = backend_for(tiny_target_dir).capture(make_request([3, 6]))
     assert batch.aux_hidden[0, 3:].abs().sum() == 0 and batch.last_hidden[0, 3:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("arch_dir", ["tiny_target_dir", "tiny_qwen3_dir"])
+def test_compiled_target_layers_are_one_graph_for_every_layer_and_packing_and_capture_the_same(arch_dir, request):
+    """training.compile on CUDA compiles each decoder layer as one region (runtime.compile's
+    compile_target). All layers and every packing (token and sample counts, one sample alone)
+    share one graph, traced through the packed attention as one op (no graph break), and the
+    capture equals the uncompiled one."""
+    from dataclasses import replace
+
+    from specforge_core.runtime.compile import compile_target
+
+    model_dir = request.getfixturevalue(arch_dir)
+    eager, compiled = backend_for(model_dir), backend_for(model_dir)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    layers = len(compiled._decoder.layers)
+    assert compile_target(compiled._decoder, backend=record) == layers + 1  # the layers and the final norm
+    for seed, lengths in enumerate(([5, 9, 3], [7, 11], [4, 6, 8, 2], [13])):
+        packed = replace(make_request(lengths, seed=seed), token_budget=64)
+        want, got = eager.capture(packed), compiled.capture(packed)
+        torch.testing.assert_close(got.aux_hidden, want.aux_hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.last_hidden, want.last_hidden, rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 1
+    ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert ops.count(torch.ops.specforge.varlen_attention.default) == 1
