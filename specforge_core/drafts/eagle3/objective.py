@@ -31,6 +31,7 @@ from torch.profiler import record_function
 from specforge_core.drafts.eagle3.attention import TTTAttention
 from specforge_core.drafts.eagle3.flash import SampleSpans
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
+from specforge_core.drafts.eagle3 import vocab_kernels
 from specforge_core.drafts.eagle3.rows import take_rows
 from specforge_core.drafts.eagle3.teacher import compute_teacher, softmax_from_lse
 from specforge_core.errors import ModelError
@@ -94,8 +95,9 @@ class _SoftTargetTerms(torch.autograd.Function):
     argmax (none), where ``target`` is the teacher's softmax on rows ``label`` (the teacher rows of
     the scored positions), made from its draft-vocab logits and their logsumexp as it is read.
 
-    ``recompute`` (the default on CUDA): compiled kernels that gather the teacher rows as they
-    read them; saves the logits in their own dtype with their logsumexp and the target's row
+    ``recompute`` (the default on CUDA): kernels that gather the teacher rows as they read them
+    (``vocab_kernels``'s on CUDA with Triton, else :func:`_soft_ce_and_overlap` and
+    :func:`_ce_grad`, compiled with ``training.compile``); saves the logits in their own dtype with their logsumexp and the target's row
     sums, and the backward is one element-wise pass (half the activation memory in bf16 of a
     saved fp32 softmax, and no copy of the teacher's rows). Otherwise (eager, memory
     bound): one log-softmax serves the loss, the overlap and the backward, which gets the fp32
@@ -109,8 +111,9 @@ class _SoftTargetTerms(torch.autograd.Function):
         ctx.logits_dtype = logits.dtype
         ctx.recompute = recompute
         if recompute:
-            loss, overlap, argmax, lse, target_sum = fused(_soft_ce_and_overlap, logits.device)(
-                logits, teacher_logits, teacher_lse, label, weight, log_mass)
+            soft_ce = vocab_kernels.soft_ce_forward if vocab_kernels.usable(logits, teacher_logits) \
+                else fused(_soft_ce_and_overlap, logits.device)
+            loss, overlap, argmax, lse, target_sum = soft_ce(logits, teacher_logits, teacher_lse, label, weight, log_mass)
             ctx.save_for_backward(logits, lse, teacher_logits, teacher_lse, label, target_sum, weight)
         else:
             q = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
@@ -131,7 +134,9 @@ class _SoftTargetTerms(torch.autograd.Function):
     def backward(ctx, grad, _overlap, _argmax):
         if ctx.recompute:
             logits, *saved = ctx.saved_tensors
-            dlogits = fused(_ce_grad, logits.device)(logits, *saved, grad)
+            ce_grad = vocab_kernels.soft_ce_backward if vocab_kernels.usable(logits, saved[1]) \
+                else fused(_ce_grad, logits.device)
+            dlogits = ce_grad(logits, *saved, grad)
         else:
             q, target, target_sum, weight = ctx.saved_tensors
             dlogits = torch.empty(q.shape, dtype=ctx.logits_dtype, device=q.device)
@@ -157,7 +162,8 @@ def soft_target_terms(
     """Row-wise weighted soft cross-entropy against ``p = softmax(teacher_logits)[label]`` (given as
     the teacher's draft-vocab logits, in the head's dtype, and their fp32 logsumexp
     ``teacher_lse``; computed in fp32, gradient to ``logits`` only), the overlap
-    ``Σ_v min(softmax(logits), p·exp(log_mass))`` and ``logits.argmax(-1)`` (no gradients). ``recompute`` (default: on CUDA) picks how the backward
+    ``Σ_v min(softmax(logits), p·exp(log_mass))`` (defined where ``weight > 0``: the Triton path
+    leaves zeros elsewhere) and ``logits.argmax(-1)`` (no gradients). ``recompute`` (default: on CUDA) picks how the backward
     gets the softmax (:class:`_SoftTargetTerms`); both give the same gradient."""
     recompute = logits.is_cuda if recompute is None else recompute
     return _SoftTargetTerms.apply(logits, teacher_logits, teacher_lse, label, weight, log_mass, recompute)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specforge_core.drafts.eagle3 import vocab_kernels
 from specforge_core.runtime.compile import fused
 
 CPU_VOCAB_CHUNK = 4096
@@ -130,7 +131,12 @@ def compute_teacher(
         for c, v0 in enumerate(starts):
             logits = h @ lm_head_weight[v0 : v0 + vocab_chunk].T
             lo, hi = bounds[c], bounds[c + 1]
-            if cuda and hi > lo:  # one compiled pass over the chunk, in the head's dtype
+            if cuda and vocab_kernels.usable(logits):  # one Triton pass, the draft columns written in place
+                chunk_max, chunk_arg, chunk_lse, chunk_draft_lse = vocab_kernels.chunk_stats(
+                    logits, draft_ids[lo:hi] - v0, draft_logits[t0 : t0 + h.shape[0], lo:hi])
+                if hi > lo:
+                    run_draft_lse = torch.logaddexp(run_draft_lse, chunk_draft_lse)
+            elif cuda and hi > lo:  # one compiled pass over the chunk, in the head's dtype
                 picked, chunk_draft_lse, chunk_max, chunk_arg, chunk_lse = fused(_chunk_stats, device)(
                     logits, draft_ids[lo:hi] - v0)
                 draft_logits[t0 : t0 + h.shape[0], lo:hi] = picked
