@@ -32,7 +32,7 @@ from specforge_core.drafts.eagle3.attention import TTTAttention
 from specforge_core.drafts.eagle3.flash import SampleSpans
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
 from specforge_core.drafts.eagle3 import vocab_kernels
-from specforge_core.drafts.eagle3.rows import take_rows
+from specforge_core.drafts.eagle3.rows import split_rows, take_rows
 from specforge_core.drafts.eagle3.teacher import compute_teacher, softmax_from_lse
 from specforge_core.errors import ModelError
 from specforge_core.runtime.compile import fused
@@ -220,7 +220,7 @@ def ttt_unroll(
     attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans)
     keys, values, key_rows, scored = [], [], [], []
 
-    hidden = None
+    hidden = carried = None
     for k in range(ttt_length):
         idx = plan.rows[k]
         if idx is None:  # no target at this step or later
@@ -241,8 +241,15 @@ def ttt_unroll(
             hidden = draft.next_hidden(None, step_pos, attend, aux_hidden=aux.flatten(0, 1)[plan.real][None],
                                        queries=plan.queries0, **reads)
         else:
-            hidden = draft.next_hidden(None, step_pos, attend, hidden=take_rows(hidden, 1, plan.carry[k]), **reads)
-        scored.append(take_rows(hidden, 1, plan.here[k]))  # the rows with a step-k target
+            hidden = draft.next_hidden(None, step_pos, attend, hidden=carried, **reads)
+        if k + 1 < ttt_length and plan.rows[k + 1] is not None:  # the rows step k+1 carries on, and the scored ones
+            carried, here = split_rows(hidden, 1, plan.carry[k + 1], plan.here[k], plan.carry_slot[k + 1],
+                                       plan.here_slot[k])
+        elif plan.here[k].numel() == hidden.shape[1]:  # every row has a step-k target (the last step's)
+            here = hidden
+        else:
+            here = take_rows(hidden, 1, plan.here[k])  # the rows with a step-k target
+        scored.append(here)
 
     # Every step's scored rows through the head and the loss at once: the logits feed nothing but
     # the loss, so one matmul (one weight gradient, not seven to add up) and one pass each way
@@ -275,6 +282,9 @@ class UnrollPlan:
     - ``queries0``: ``rows[0]``'s indices among ``real``; ``carry[k]`` (k ≥ 1): ``rows[k]``'s
       indices among ``rows[k-1]`` (where the carried hidden comes from);
     - ``here[k]``: the indices among ``rows[k]`` with a step-k target (the scored rows);
+    - ``carry_slot[k]`` (k ≥ 1) and ``here_slot[k]``: per row of ``rows[k-1]`` its index in
+      ``carry[k]``, per row of ``rows[k]`` its index in ``here[k]``, or -1 (the slot maps of
+      ``rows.split_rows``: each of step k's rows is carried to step k+1, scored at step k, or both);
     - ``label``: the teacher row of every scored row, step after step (index t+k: the
       distribution at t+k+1), and ``placed`` its position in ``[K, B, T]`` flattened (k·B·T plus
       the row's flattened position): the terms of all steps are computed at once on these rows;
@@ -302,6 +312,8 @@ class UnrollPlan:
     queries0: torch.Tensor
     carry: list
     here: list
+    carry_slot: list
+    here_slot: list
     label: torch.Tensor
     placed: torch.Tensor
     teacher_index: torch.Tensor
@@ -332,6 +344,7 @@ class UnrollPlan:
         queries0 = np.searchsorted(real, rows[0])
         spans = SampleSpans.of_rows(real, host[2].reshape(-1)[real], t).bounds
         carry, here, label, placed = [None] * ttt_length, [None] * ttt_length, [], []
+        carry_slot, here_slot = [None] * ttt_length, [None] * ttt_length
         slots = [None if r is None else _host_slots(r, b * t) for r in rows]
         token_index, token_rows = _token_rows([real if k == 0 else r for k, r in enumerate(rows)], t, b * t)
         same = [[] for _ in range(ttt_length)]
@@ -340,14 +353,16 @@ class UnrollPlan:
                 continue
             if k:
                 carry[k] = slots[k - 1][rows[k]]
+                carry_slot[k] = _host_slots(carry[k], rows[k - 1].size)
                 same[k] = [slots[j][rows[k]] for j in range(1, k + 1)]
             here[k] = np.flatnonzero(flat_valid[k][rows[k]])
+            here_slot[k] = _host_slots(here[k], rows[k].size)
             scored = rows[k][here[k]]
             placed.append(scored + k * b * t)
             label.append(teacher_slot[scored + k])
         # one host-to-device copy of every index, then views of it
         parts = [real, queries0, teacher_index, token_index, np.concatenate(label), np.concatenate(placed),
-                 *(x for group in (rows, carry, here, token_rows) for x in group if x is not None),
+                 *(x for group in (rows, carry, here, token_rows, carry_slot, here_slot) for x in group if x is not None),
                  *(x for at in same for x in at)]
         sizes = [p.size for p in parts]
         packed = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
@@ -359,10 +374,11 @@ class UnrollPlan:
             valid_d = valid_h.to(device)
         views = iter(packed.split(sizes))
         real_d, queries0_d, teacher_index_d, token_index_d, label_d, placed_d = (next(views) for _ in range(6))
-        groups = [[None if x is None else next(views) for x in group] for group in (rows, carry, here, token_rows)]
+        groups = [[None if x is None else next(views) for x in group]
+                  for group in (rows, carry, here, token_rows, carry_slot, here_slot)]
         same_d = [[next(views) for _ in at] for at in same]
-        return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], label_d, placed_d, teacher_index_d,
-                   same_d, spans, token_index_d, groups[3])
+        return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], groups[4], groups[5], label_d,
+                   placed_d, teacher_index_d, same_d, spans, token_index_d, groups[3])
 
 
 def _token_rows(inputs: list, t: int, size: int) -> tuple[np.ndarray, list]:
