@@ -44,7 +44,7 @@ from transformers.models.llama.modeling_llama import (
 
 from specforge_core.errors import ModelError
 from specforge_core.drafts.eagle3.config import NUM_AUX_HIDDEN_STATES
-from specforge_core.drafts.eagle3.rows import take_rows
+from specforge_core.drafts.eagle3.rows import take_parts, take_rows
 
 EMBEDDING_KEY = "embed_tokens.weight"
 
@@ -182,6 +182,12 @@ class ProjectedTokens(NamedTuple):
     rows: torch.Tensor
     weights: QKVWeights
 
+    def for_steps(self, rows: list, slots: list) -> list["ProjectedTokens"]:
+        """Each unrolled step's tokens, ``rows[j]`` (indices without repeats, with their slot
+        maps ``slots[j]``), taken at once: ``rows.take_parts`` gives the tokens their gradient in
+        one pass for all steps, instead of a scatter into zeros per step and an add per step."""
+        return [ProjectedTokens(x, self.weights) for x in take_parts(self.rows, 0, rows, slots)]
+
 
 class Eagle3DraftModel(nn.Module):
     """The EAGLE3 draft: one decoder layer over three captured target layers. ``config``: a draft ``LlamaConfig`` (see draft_config).
@@ -287,7 +293,8 @@ class Eagle3DraftModel(nn.Module):
 
         ``input_ids [B,T]`` are the tokens following each row's hidden state, or with ``tokens``
         (:meth:`project_tokens`, B = 1) None and ``token_rows [T]`` the index of each row's token
-        among them (without repeats: ``rows.take_rows``). ``position_ids [B,T]`` are their RoPE
+        among them (without repeats: ``rows.take_rows``), or None where ``tokens`` holds exactly
+        the rows' own, in order (``ProjectedTokens.for_steps``). ``position_ids [B,T]`` are their RoPE
         positions, ``attend(q, k, v)`` the attention over this step's q/k/v (``q [B,T,nh,hd]``,
         ``k, v [B,T,nkv,hd]``, rotated) and whatever keys it keeps. Give ``aux_hidden`` (first
         step: ``project_hidden`` is applied) or the carried ``hidden``. ``queries`` (a long index
@@ -300,9 +307,10 @@ class Eagle3DraftModel(nn.Module):
         if tokens is None:
             weights, x = None, self.embed_tokens(input_ids).to(hidden.dtype)
         else:
-            if input_ids is not None or token_rows is None:
-                raise ValueError("with tokens= give token_rows= (each row's index among them) and input_ids=None")
-            weights, x = tokens.weights, take_rows(tokens.rows, 0, token_rows)[None]
+            if input_ids is not None:
+                raise ValueError("give input_ids or tokens=, not both")
+            rows = tokens.rows if token_rows is None else take_rows(tokens.rows, 0, token_rows)
+            weights, x = tokens.weights, rows[None]
         cos, sin = self.rotary_emb(hidden, position_ids)
         with record_function("eagle3.layer"):
             return self.midlayer(x, hidden, cos, sin, attend, queries, weights)

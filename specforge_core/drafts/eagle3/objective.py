@@ -32,7 +32,7 @@ from specforge_core.drafts.eagle3.attention import TTTAttention
 from specforge_core.drafts.eagle3.flash import SampleSpans
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
 from specforge_core.drafts.eagle3 import vocab_kernels
-from specforge_core.drafts.eagle3.rows import split_rows, take_rows
+from specforge_core.drafts.eagle3.rows import take_parts, take_rows
 from specforge_core.drafts.eagle3.teacher import compute_teacher, softmax_from_lse
 from specforge_core.errors import ModelError
 from specforge_core.runtime.compile import fused
@@ -217,6 +217,9 @@ def ttt_unroll(
     # embedded and projected once for all steps (model.Eagle3DecoderLayer's doc)
     with record_function("eagle3.tokens"):
         tokens = draft.project_tokens(F.pad(ids.flatten(), (0, b))[plan.token_index])
+        runs = [k for k in range(ttt_length) if plan.rows[k] is not None]
+        step_tokens = dict(zip(runs, tokens.for_steps([plan.token_rows[k] for k in runs],
+                                                      [plan.token_slot[k] for k in runs])))
     attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans)
     keys, values, key_rows, scored = [], [], [], []
 
@@ -236,15 +239,15 @@ def ttt_unroll(
                 return attention(q, idx, keys, values, key_rows, same_at=plan.same[k])
 
         step_pos = (pos + k).flatten()[inputs][None]
-        reads = dict(tokens=tokens, token_rows=plan.token_rows[k])
+        reads = dict(tokens=step_tokens[k])
         if k == 0:
             hidden = draft.next_hidden(None, step_pos, attend, aux_hidden=aux.flatten(0, 1)[plan.real][None],
                                        queries=plan.queries0, **reads)
         else:
             hidden = draft.next_hidden(None, step_pos, attend, hidden=carried, **reads)
         if k + 1 < ttt_length and plan.rows[k + 1] is not None:  # the rows step k+1 carries on, and the scored ones
-            carried, here = split_rows(hidden, 1, plan.carry[k + 1], plan.here[k], plan.carry_slot[k + 1],
-                                       plan.here_slot[k])
+            carried, here = take_parts(hidden, 1, [plan.carry[k + 1], plan.here[k]],
+                                       [plan.carry_slot[k + 1], plan.here_slot[k]])
         elif plan.here[k].numel() == hidden.shape[1]:  # every row has a step-k target (the last step's)
             here = hidden
         else:
@@ -284,7 +287,7 @@ class UnrollPlan:
     - ``here[k]``: the indices among ``rows[k]`` with a step-k target (the scored rows);
     - ``carry_slot[k]`` (k ≥ 1) and ``here_slot[k]``: per row of ``rows[k-1]`` its index in
       ``carry[k]``, per row of ``rows[k]`` its index in ``here[k]``, or -1 (the slot maps of
-      ``rows.split_rows``: each of step k's rows is carried to step k+1, scored at step k, or both);
+      ``rows.take_parts``: each of step k's rows is carried to step k+1, scored at step k, or both);
     - ``label``: the teacher row of every scored row, step after step (index t+k: the
       distribution at t+k+1), and ``placed`` its position in ``[K, B, T]`` flattened (k·B·T plus
       the row's flattened position): the terms of all steps are computed at once on these rows;
@@ -296,7 +299,8 @@ class UnrollPlan:
     - ``token_index``: the tokens some step embeds, as indices into the flattened ids followed by
       one 0 per row (step k's inputs at position t embed ``ids[t+1+k]``, or their row's 0 past
       its end); ``token_rows[k]``: each of step k's inputs' index among them, without repeats
-      (only step 0 reads past a row's end, at its last position).
+      (only step 0 reads past a row's end, at its last position), and ``token_slot[k]`` its slot
+      map (per token, its index in ``token_rows[k]`` or -1: ``rows.take_parts`` of all steps).
 
     Built on the host and sent to the device in one copy: the sizes are data-dependent, and
     working them out on the device would make the host wait for it at every step. Its input is
@@ -321,6 +325,7 @@ class UnrollPlan:
     spans: list
     token_index: torch.Tensor
     token_rows: list
+    token_slot: list
 
     @classmethod
     def build(cls, attn, lm, seq, ttt_length: int, *, device, host=None) -> "UnrollPlan":
@@ -347,6 +352,7 @@ class UnrollPlan:
         carry_slot, here_slot = [None] * ttt_length, [None] * ttt_length
         slots = [None if r is None else _host_slots(r, b * t) for r in rows]
         token_index, token_rows = _token_rows([real if k == 0 else r for k, r in enumerate(rows)], t, b * t)
+        token_slot = [None if r is None else _host_slots(r, token_index.size) for r in token_rows]
         same = [[] for _ in range(ttt_length)]
         for k in range(ttt_length):
             if rows[k] is None:
@@ -362,7 +368,8 @@ class UnrollPlan:
             label.append(teacher_slot[scored + k])
         # one host-to-device copy of every index, then views of it
         parts = [real, queries0, teacher_index, token_index, np.concatenate(label), np.concatenate(placed),
-                 *(x for group in (rows, carry, here, token_rows, carry_slot, here_slot) for x in group if x is not None),
+                 *(x for group in (rows, carry, here, token_rows, carry_slot, here_slot, token_slot)
+                   for x in group if x is not None),
                  *(x for at in same for x in at)]
         sizes = [p.size for p in parts]
         packed = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
@@ -375,10 +382,10 @@ class UnrollPlan:
         views = iter(packed.split(sizes))
         real_d, queries0_d, teacher_index_d, token_index_d, label_d, placed_d = (next(views) for _ in range(6))
         groups = [[None if x is None else next(views) for x in group]
-                  for group in (rows, carry, here, token_rows, carry_slot, here_slot)]
+                  for group in (rows, carry, here, token_rows, carry_slot, here_slot, token_slot)]
         same_d = [[next(views) for _ in at] for at in same]
         return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], groups[4], groups[5], label_d,
-                   placed_d, teacher_index_d, same_d, spans, token_index_d, groups[3])
+                   placed_d, teacher_index_d, same_d, spans, token_index_d, groups[3], groups[6])
 
 
 def _token_rows(inputs: list, t: int, size: int) -> tuple[np.ndarray, list]:

@@ -1,8 +1,8 @@
-"""Taking a subset of rows with a gradient that is a plain copy back.
+"""Taking subsets of rows with a gradient that is a plain copy back, or a gather.
 
-    from specforge_core.drafts.eagle3.rows import take_rows
+    from specforge_core.drafts.eagle3.rows import take_parts, take_rows
     hidden_k = take_rows(hidden, 1, plan.carry[k])      # == hidden.index_select(1, carry[k])
-    carried, scored = split_rows(hidden, 1, carry, here, carry_slot, here_slot)   # two at once
+    carried, scored = take_parts(hidden, 1, [carry, here], [carry_slot, here_slot])   # several at once
 
 The unroll narrows its tensors to the rows each step computes with indices that are distinct (the
 plan's rows are ascending). ``index_select``'s backward must allow repeated indices, so it adds the
@@ -10,12 +10,13 @@ gradient into zeros with ``index_add``, whose atomic adds on bf16 cost ≈ 0.2 m
 H200 at Qwen3-8B shape (3.8 ms a step over ≈ 20 calls, round 7's profile). With distinct indices
 the same gradient is a scatter, ``index_copy`` into zeros: no atomics, and deterministic.
 
-:func:`split_rows` takes two such subsets that together cover every row (the unroll's rows
-carried to the next step and its scored rows) and gets each row's gradient by a gather instead:
-the sum of its gradients in the two parts, read through each part's slot map, in one pass that
-writes every row once (no zero fill, no scatter, no add of two full-size gradients; compiled with
-``training.compile``). Their scatters into zeros and the add ran at ≈ 0.3 TB/s on an H200
-(round 16's profile: 6.1 ms a loop step at Qwen3-8B shape for every ``take_rows``).
+:func:`take_parts` takes several such subsets of one tensor (the unroll's rows carried to the
+next step and its scored rows; each step's tokens) and gets each row's gradient by a gather
+instead: the sum of its gradients in the parts, read through each part's slot map, in one pass
+that writes every row once (no zero fills, no scatters, no adds of full-size gradients;
+compiled with ``training.compile``). A ``take_rows`` per part with autograd adding their
+gradients ran at ≈ 0.3 TB/s on an H200 (round 16's profile: 6.1 ms a loop step at Qwen3-8B
+shape for every ``take_rows``).
 """
 
 import torch
@@ -52,37 +53,36 @@ def _spread(grad: torch.Tensor, slot: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(keep, picked, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
 
-def _merge(first: torch.Tensor, second: torch.Tensor, first_slot: torch.Tensor, second_slot: torch.Tensor,
-           dim: int) -> torch.Tensor:
-    return _spread(first, first_slot, dim) + _spread(second, second_slot, dim)
+def _gather_sum(grads: list, slots: list, dim: int) -> torch.Tensor:
+    total = _spread(grads[0], slots[0], dim)
+    for grad, slot in zip(grads[1:], slots[1:]):
+        total = total + _spread(grad, slot, dim)
+    return total
 
 
-class _SplitRows(torch.autograd.Function):
+class _TakeParts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, first, second, first_slot, second_slot):
-        ctx.dim = dim
-        ctx.save_for_backward(first_slot, second_slot)
-        return x.index_select(dim, first), x.index_select(dim, second)
+    def forward(ctx, x, dim, parts, *indices_and_slots):
+        ctx.dim, ctx.shape = dim, x.shape
+        ctx.set_materialize_grads(False)  # a part whose output reaches nothing reads nothing
+        ctx.save_for_backward(*indices_and_slots[parts:])
+        return tuple(x.index_select(dim, index) for index in indices_and_slots[:parts])
 
     @staticmethod
-    def backward(ctx, first, second):
-        first_slot, second_slot = ctx.saved_tensors
-        if not second.shape[ctx.dim]:  # an empty part has nothing to read
-            grad = fused(_spread, first.device)(first, first_slot, ctx.dim)
-        elif not first.shape[ctx.dim]:
-            grad = fused(_spread, second.device)(second, second_slot, ctx.dim)
-        else:
-            grad = fused(_merge, first.device)(first, second, first_slot, second_slot, ctx.dim)
-        return grad, None, None, None, None, None
+    def backward(ctx, *grads):
+        slots = ctx.saved_tensors
+        used = [(g, s) for g, s in zip(grads, slots) if g is not None and g.shape[ctx.dim]]
+        if not used:
+            return None, None, None, *(None,) * (2 * len(slots))
+        grad = fused(_gather_sum, used[0][0].device)([g for g, _ in used], [s for _, s in used], ctx.dim)
+        return grad, None, None, *(None,) * (2 * len(slots))
 
 
-def split_rows(x: torch.Tensor, dim: int, first: torch.Tensor, second: torch.Tensor, first_slot: torch.Tensor,
-               second_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x.index_select(dim, first), x.index_select(dim, second))`` for two ``index`` tensors
-    without repeats that together hold every index of ``dim`` (they may share some), given
-    their slot maps: ``first_slot[i]`` is i's position in ``first`` or -1 (likewise ``second``).
-    Neither is checked: a row in neither part gets a zero gradient anyway, a repeated index keeps
-    one gradient. Without a gradient it is two ``index_select``."""
+def take_parts(x: torch.Tensor, dim: int, indices: list, slots: list) -> tuple:
+    """``tuple(x.index_select(dim, i) for i in indices)`` for index tensors without repeats (parts
+    may share rows, and need not cover them all), given their slot maps: ``slots[j][r]`` is row
+    r's position in ``indices[j]`` or -1. The slot maps are not checked: a repeated index keeps
+    one gradient. Without a gradient it is the index_selects."""
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return x.index_select(dim, first), x.index_select(dim, second)
-    return _SplitRows.apply(x, dim, first, second, first_slot, second_slot)
+        return tuple(x.index_select(dim, index) for index in indices)
+    return _TakeParts.apply(x, dim, len(indices), *indices, *slots)
