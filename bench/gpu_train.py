@@ -710,7 +710,7 @@ def phase_train(args, backend, rows, variant: str) -> None:
         report("train_target_compiled_modules", compile_target(backend._decoder))
     t0, c0 = time.perf_counter(), compile_seconds()
     loop = TrainLoop(args, backend, compile_pointwise=variant == "compiled")
-    warmup = 3
+    warmup = max(args.warmup, 1)
     stream = make_stream(args, backend, rows, batch_size=args.batch_size, token_budget=args.token_budget,
                          steps=warmup + args.steps)
     if args.device.type == "cuda":
@@ -831,6 +831,8 @@ def parse_args(argv=None):
     p.add_argument("--unpacked-batch", type=int, default=4, help="samples per micro-step without packing")
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="train phase: untimed steps first (more where a cold compile cache still recompiles)")
     p.add_argument("--ttt-length", type=int, default=7)
     p.add_argument("--vocab-d", type=int, default=None,
                    help="draft vocabulary (default 32000, or the whole vocabulary of a smaller target: --shape tiny)")
