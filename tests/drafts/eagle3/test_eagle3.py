@@ -170,11 +170,19 @@ def test_forward_on_projected_tokens_equals_the_forward_on_their_ids():
     rows = torch.tensor([3, 6, 2, 0, 4, 1])
     want = run(input_ids=vocab_ids[rows][None])
     got = run(input_ids=None, tokens=draft.project_tokens(vocab_ids), token_rows=rows)
-    torch.testing.assert_close(got[0], want[0])
-    torch.testing.assert_close(got[1], want[1])
-    assert got[2].keys() == want[2].keys() and "midlayer.input_layernorm.weight" in got[2]
-    for name in want[2]:
-        torch.testing.assert_close(got[2][name], want[2][name], msg=name)
+    # the unroll's form: the steps' rows taken at once (ProjectedTokens.for_steps), no token_rows
+    slot = torch.full((vocab_ids.numel(),), -1)
+    slot[rows] = torch.arange(rows.numel())
+    (taken,) = draft.project_tokens(vocab_ids).for_steps([rows], [slot])
+    at_once = run(input_ids=None, tokens=taken)
+    for other in (got, at_once):
+        torch.testing.assert_close(other[0], want[0])
+        torch.testing.assert_close(other[1], want[1])
+        assert other[2].keys() == want[2].keys() and "midlayer.input_layernorm.weight" in other[2]
+        for name in want[2]:
+            torch.testing.assert_close(other[2][name], want[2][name], msg=name)
+    with pytest.raises(ValueError, match="not both"):
+        draft.next_hidden(vocab_ids[rows][None], pos, attend, aux_hidden=aux, tokens=taken)
 
 
 def test_step_default_mask_is_causal_over_new_rows_after_all_past_rows():
