@@ -72,12 +72,18 @@ def rows_dynamic(compiled, *, matrix_rows: bool = True):
     backward of the layer's q/k/v region, given its hidden-half weight as an input, divided by
     the head size and head counts (0.57 ms a call for ≈ 100 MB, 4 ms a step)."""
     lowest = 1 if matrix_rows else 0
+    return _with_static_dims(compiled, lambda x: range(lowest if x.dim() <= 2 else 2, x.dim()))
+
+
+def _with_static_dims(compiled, static_dims):
+    """``compiled`` called with the dims ``static_dims(x)`` of each tensor input ``x`` (also in
+    lists and tuples) marked static (``torch._dynamo.mark_static``)."""
 
     def run(*args, **kwargs):
         for arg in (*args, *kwargs.values()):
             for x in arg if isinstance(arg, (list, tuple)) else (arg,):
                 if isinstance(x, torch.Tensor):
-                    for d in range(lowest if x.dim() <= 2 else 2, x.dim()):
+                    for d in static_dims(x):
                         torch._dynamo.mark_static(x, d)
         return compiled(*args, **kwargs)
 
@@ -99,22 +105,13 @@ def compile_target(decoder: nn.Module, **options) -> int:
     (the capture's) run outside the region."""
     layers = list(getattr(decoder, "layers", ()))
     for layer in layers:
-        layer.forward = _last_dim_static(torch.compile(layer.forward, dynamic=True, **options))
+        layer.forward = _with_static_dims(torch.compile(layer.forward, dynamic=True, **options), _last_dim_static)
     return len(layers) + compile_pointwise(decoder, skip=layers)
 
 
-def _last_dim_static(compiled):
-    """``compiled`` called with the last dim of each floating tensor input (also in tuples) marked
-    static, every other size symbolic (:func:`compile_target`)."""
-
-    def run(*args, **kwargs):
-        for arg in (*args, *kwargs.values()):
-            for x in arg if isinstance(arg, (list, tuple)) else (arg,):
-                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2:
-                    torch._dynamo.mark_static(x, x.dim() - 1)
-        return compiled(*args, **kwargs)
-
-    return run
+def _last_dim_static(x: torch.Tensor) -> tuple:
+    """:func:`compile_target`'s static dims: the last of a floating tensor of two or more dims."""
+    return (x.dim() - 1,) if x.is_floating_point() and x.dim() >= 2 else ()
 
 
 def compile_pointwise(root: nn.Module, *, skip=()) -> int:

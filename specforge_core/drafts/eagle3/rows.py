@@ -63,7 +63,7 @@ def _gather_sum(grads: list, slots: list, dim: int) -> torch.Tensor:
 class _TakeParts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, parts, *indices_and_slots):
-        ctx.dim, ctx.shape = dim, x.shape
+        ctx.dim = dim
         ctx.set_materialize_grads(False)  # a part whose output reaches nothing reads nothing
         ctx.save_for_backward(*indices_and_slots[parts:])
         return tuple(x.index_select(dim, index) for index in indices_and_slots[:parts])
@@ -72,9 +72,8 @@ class _TakeParts(torch.autograd.Function):
     def backward(ctx, *grads):
         slots = ctx.saved_tensors
         used = [(g, s) for g, s in zip(grads, slots) if g is not None and g.shape[ctx.dim]]
-        if not used:
-            return None, None, None, *(None,) * (2 * len(slots))
-        grad = fused(_gather_sum, used[0][0].device)([g for g, _ in used], [s for _, s in used], ctx.dim)
+        grad = fused(_gather_sum, used[0][0].device)([g for g, _ in used], [s for _, s in used], ctx.dim) \
+            if used else None
         return grad, None, None, *(None,) * (2 * len(slots))
 
 

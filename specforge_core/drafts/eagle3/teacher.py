@@ -131,7 +131,7 @@ def compute_teacher(
         for c, v0 in enumerate(starts):
             logits = h @ lm_head_weight[v0 : v0 + vocab_chunk].T
             lo, hi = bounds[c], bounds[c + 1]
-            if cuda and vocab_kernels.usable(logits):  # one Triton pass, the draft columns written in place
+            if vocab_kernels.usable(logits):  # CUDA with Triton: one pass, the draft columns written in place
                 chunk_max, chunk_arg, chunk_lse, chunk_draft_lse = vocab_kernels.chunk_stats(
                     logits, draft_ids[lo:hi] - v0, draft_logits[t0 : t0 + h.shape[0], lo:hi])
                 if hi > lo:
