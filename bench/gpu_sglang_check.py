@@ -95,7 +95,7 @@ def phase_agree(arch: str, out_dir: Path) -> None:
     from torch.nn.functional import cosine_similarity
 
     from specforge_core.capture import build_capture_backend
-    from specforge_core.runtime.distributed import init_distributed
+    from specforge_core.system.distributed import init_distributed
 
     init_distributed("cuda")
     target = save_random_target(out_dir / f"tiny-{arch}", arch, SMALL)
@@ -187,7 +187,7 @@ def shape_batches(out_dir: Path, steps: int):
 def phase_shape(out_dir: Path, steps: int = 5) -> None:
     import torch
 
-    from specforge_core.runtime.distributed import init_distributed
+    from specforge_core.system.distributed import init_distributed
 
     init_distributed("cuda")
     target, reqs, tokens = shape_batches(out_dir, steps)

@@ -33,7 +33,7 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
     from specforge_core.capture.target_info import (
         load_target_config, resolve_capture_layers, text_config, validate_colocated,
     )
-    from specforge_core.runtime.device import resolve_device, resolve_dtype
+    from specforge_core.system.device import resolve_device, resolve_dtype
 
     topology = topology or Topology.from_config(cfg)
     place = topology.place(rank)

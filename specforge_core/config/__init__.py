@@ -254,7 +254,7 @@ class TrainingConfig(_Section):
     time_budget: str | None = Field(
         None, description="Train for this much wall time (45s, 30m, 2h, 1h30m): stop at the first whole "
         "optimizer step that spends it, and run warm-up and decay over the fraction spent instead of the "
-        "steps (runtime/budget.py). The plan's horizon (num_epochs, max_steps) still caps the run."
+        "steps (loop/budget.py). The plan's horizon (num_epochs, max_steps) still caps the run."
     )
     heldout: HeldOutDecodeConfig = Field(default_factory=HeldOutDecodeConfig)
 

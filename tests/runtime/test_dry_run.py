@@ -11,7 +11,7 @@ import yaml
 
 from fixtures.gpu_targets import TARGET_CONFIGS, write_target_config
 from specforge_core.config import load_config
-from specforge_core.runtime.dry_run import GIB, DatasetSize, dry_run
+from specforge_core.launch.dry_run import GIB, DatasetSize, dry_run
 from specforge_core.train import main
 
 ROOT = Path(__file__).resolve().parents[2]

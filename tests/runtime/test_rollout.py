@@ -17,7 +17,7 @@ from specforge_core.config import load_config
 from specforge_core.errors import CaptureError, DataError
 from specforge_core.run.topology import Topology
 from specforge_core.run.plan import IslandBatch, PromptPlan
-from specforge_core.runtime.rollout import RolloutStream
+from specforge_core.loop.rollout import RolloutStream
 
 
 class CountingRows(list):
@@ -249,7 +249,7 @@ def test_a_datasets_dataset_works_as_the_rows(backends):
 
 def test_the_runtime_does_not_import_datasets():
     code = (
-        "import sys, specforge_core.runtime.rollout, specforge_core.capture.hf, specforge_core.capture.sglang_backend;"
+        "import sys, specforge_core.loop.rollout, specforge_core.capture.hf, specforge_core.capture.sglang_backend;"
         "assert 'datasets' not in sys.modules, 'datasets was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

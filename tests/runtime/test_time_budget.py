@@ -16,12 +16,12 @@ import torch
 from specforge_core.config import config_from_dict
 from specforge_core.errors import ConfigError, ResumeError
 from specforge_core.run.plan import PromptPlan
-from specforge_core.runtime.budget import TrainClock, budget_progress
-from specforge_core.runtime.checkpoint import complete_checkpoints, latest_checkpoint, read_train_state
-from specforge_core.runtime.distributed import close_distributed, init_distributed
-from specforge_core.runtime.metrics import METRICS_FILE
-from specforge_core.runtime.schedule import progress_multiplier
-from specforge_core.runtime.trainer import training_contract
+from specforge_core.loop.budget import TrainClock, budget_progress
+from specforge_core.loop.checkpoint import complete_checkpoints, latest_checkpoint, read_train_state
+from specforge_core.system.distributed import close_distributed, init_distributed
+from specforge_core.loop.metrics import METRICS_FILE
+from specforge_core.loop.schedule import progress_multiplier
+from specforge_core.loop.trainer import training_contract
 from tests.runtime.harness import run_ranks
 from tests.runtime.test_trainer import build_trainer, make_config
 

@@ -43,7 +43,7 @@ class RunInputs:
     plan: PromptPlan
 
 
-def check_recorded_plan(cfg, plan: PromptPlan, topology: Topology, dataset_size: int, where: str) -> None:
+def check_plan_against_config(cfg, plan: PromptPlan, topology: Topology, dataset_size: int, where: str) -> None:
     """The one plan comparison: the recorded plan must be the one this config, data and world give."""
     expected = PromptPlan.from_config(cfg, dataset_size, topology=topology)
     diffs = plan.differences(expected)
@@ -83,7 +83,7 @@ def inputs_from_manifest(manifest: RunManifest, d, checked, *, cfg) -> RunInputs
     plan = PromptPlan.load(manifest.plan.path)
     _check_key("plan", manifest.plan.key, plan.key, manifest.plan.path)
     rows = cache.rows("train")
-    check_recorded_plan(cfg, plan, topology, len(rows), manifest.plan.path)
+    check_plan_against_config(cfg, plan, topology, len(rows), manifest.plan.path)
     return RunInputs(topology, cache, rows, vocab, plan)
 
 
@@ -93,8 +93,8 @@ def resolve_inputs(cfg, d, checked, *, plan_path: str | None = None) -> RunInput
     from specforge_core.config import dump_config
     from specforge_core.data.prompt_cache import ensure_prompt_cache, open_prompt_cache
     from specforge_core.data.vocab import ensure_vocab_map, load_vocab_map
-    from specforge_core.runtime.checkpoint import latest_checkpoint
-    from specforge_core.runtime.distributed import broadcast_object
+    from specforge_core.loop.checkpoint import latest_checkpoint
+    from specforge_core.system.distributed import broadcast_object
 
     topology = Topology.from_config(cfg, world_size=d.world_size)
     family = checked.family
@@ -118,7 +118,7 @@ def resolve_inputs(cfg, d, checked, *, plan_path: str | None = None) -> RunInput
         plan = PromptPlan.from_config(cfg, len(rows), topology=topology)
     else:
         plan = PromptPlan.load(plan_path)
-        check_recorded_plan(cfg, plan, topology, len(rows), plan_path)
+        check_plan_against_config(cfg, plan, topology, len(rows), plan_path)
     if d.is_main and latest_checkpoint(run.root) is None:  # a fresh start; a resume changes no file
         if plan_path is None:
             plan.save(run.plan)
@@ -147,7 +147,7 @@ def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config
         with torch.device(backend.device):
             draft = family.new_draft(draft_config)
     family.attach_target(cfg, draft, backend, vocab, fresh=not cfg.draft.init_from)
-    from specforge_core.runtime.compile import compile_pointwise, use_fused
+    from specforge_core.system.compile import compile_pointwise, use_fused
 
     use_fused(cfg.training.compile)
     if cfg.training.compile and backend.device.type == "cuda":
@@ -163,8 +163,8 @@ def build_objective(cfg, family, backend):
 def build_training(cfg, d, inputs: RunInputs, checked):
     """Backend, draft, objective and trainer of this rank; returns ``(trainer, backend)``."""
     from specforge_core.capture import build_capture_backend
-    from specforge_core.runtime.rollout import RolloutStream
-    from specforge_core.runtime.trainer import Trainer, directory_identity, training_contract
+    from specforge_core.loop.rollout import RolloutStream
+    from specforge_core.loop.trainer import Trainer, directory_identity, training_contract
 
     family = checked.family
     backend = build_capture_backend(
@@ -186,7 +186,7 @@ def build_training(cfg, d, inputs: RunInputs, checked):
     plan, rows, budget = inputs.plan, inputs.rows, cfg.training.token_budget
     heldout = None
     if cfg.training.heldout.interval:
-        from specforge_core.runtime.heldout import HeldOutDecoder, heldout_prompt_ids
+        from specforge_core.launch.heldout import HeldOutDecoder, heldout_prompt_ids
 
         prompts = heldout_prompt_ids(inputs.prompt_cache.rows("eval"), cfg.training.heldout.num_prompts)
         heldout = HeldOutDecoder(cfg, family, draft_config, prompts) if d.is_main else None
