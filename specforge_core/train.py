@@ -32,7 +32,6 @@ and the fix). ``launch/dry_run.py`` says what it checks, where the dataset size 
 memory formula.
 """
 
-import contextlib
 import sys
 
 from specforge_core.cli import command_parser, report_error
@@ -74,52 +73,6 @@ def load_run(args):
     return config_from_dict(data, source=f"{args.manifest}: config"), manifest
 
 
-@contextlib.contextmanager
-def run_lock(cfg, d):
-    """Rank 0 holds ``<output.dir>/RUN.lock`` for the run; every rank fails if it cannot."""
-    from specforge_core.system.distributed import broadcast_object
-    from specforge_core.loop.run_lock import RunLock
-
-    lock, error = None, None
-    if d.is_main:
-        try:
-            lock = RunLock(cfg.output.dir, wait_s=None if cfg.output.on_busy == "fail" else float("inf")).acquire()
-            if lock.took_over is not None:
-                print(f"took over the stale lock of {lock.took_over.describe()}", flush=True)
-        except SpecForgeError as e:
-            error = e
-    error = broadcast_object(d, error)
-    if error is not None:
-        raise error
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def train_rank(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
-    """Preflight, resolve, build and fit on this rank (collective: every rank calls it)."""
-    from specforge_core.run.directory import RunDir
-    from specforge_core.run.topology import Topology
-    from specforge_core.launch.builder import build_training, inputs_from_manifest, resolve_inputs
-    from specforge_core.system.compile import compile_cache
-    from specforge_core.launch.preflight import check_run_inputs
-
-    Topology.launched(cfg, d.world_size)  # torchrun's world must be the config's
-    checked = check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
-    with run_lock(cfg, d), compile_cache(RunDir(cfg.output.dir).compile_cache):
-        if manifest is not None:
-            inputs = inputs_from_manifest(manifest, d, checked, cfg=cfg)
-        else:
-            inputs = resolve_inputs(cfg, d, checked, plan_path=plan_path)
-        trainer, backend = build_training(cfg, d, inputs, checked)
-        try:
-            trainer.fit()
-        finally:
-            backend.close()
-
-
 def print_dry_run(args) -> int:
     """``--dry-run``: resolve and check the launch, print its layout and one JSON line; no rank starts."""
     from specforge_core.cli import run_command
@@ -154,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     prefer_passive_omp_wait()  # before torch is imported (system/host.py says why)
     # Before anything touches CUDA: the allocator reads its configuration once, at initialisation.
     from specforge_core.system.distributed import close_distributed, enable_expandable_segments, init_distributed
+    from specforge_core.launch.builder import launch_rank
 
     enable_expandable_segments()
     try:
@@ -164,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecForgeError as e:
         return report_error(e)
     try:
-        train_rank(cfg, d, manifest=manifest, plan_path=args.plan)
+        launch_rank(cfg, d, manifest=manifest, plan_path=args.plan)
     except SpecForgeError as e:
         return report_error(e, f"error (rank {d.rank})")
     finally:

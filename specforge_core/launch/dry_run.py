@@ -119,9 +119,9 @@ def manifest_dataset(manifest, cfg, checked, world_size: int) -> DatasetSize:
     from specforge_core.launch.builder import inputs_from_manifest
     from specforge_core.system.distributed import Dist
 
-    Topology.launched(cfg, world_size)
+    topology = Topology.launched(cfg, world_size)
     rank0 = Dist(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), backend="none", mesh=None)
-    inputs = inputs_from_manifest(manifest, rank0, checked, cfg=cfg)
+    inputs = inputs_from_manifest(manifest, rank0, checked, cfg=cfg, topology=topology)
     return DatasetSize.of_prompt_cache(inputs.rows, manifest.prompt_cache.path)
 
 

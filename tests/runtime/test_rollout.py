@@ -48,7 +48,8 @@ def backends(tiny_target_dir):
         f"model.target={tiny_target_dir}", "capture.backend=sglang", "data.max_length=256", "model.dtype=float32",
         "capture.tp_size=2", "deployment.nproc_per_node=2", "training.batch_size=2",
     ])
-    return [build_capture_backend(cfg, rank=r, engine_factory=FakeSGLangEngine.start) for r in range(2)]
+    return [build_capture_backend(cfg, rank=r, topology=Topology.from_config(cfg),
+                                  engine_factory=FakeSGLangEngine.start) for r in range(2)]
 
 
 def plan(**kw) -> PromptPlan:

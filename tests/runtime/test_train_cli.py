@@ -159,7 +159,7 @@ def test_world_size_other_than_the_config_is_refused_naming_the_field(workdir, t
 
 def test_recorded_plan_of_another_config_is_refused(workdir, tiny_target_dir, tmp_path):
     cfg = load_config(write_config(workdir, "plan", tiny_target_dir))
-    PromptPlan.from_config(cfg, 40).save(tmp_path / "plan.json")
+    PromptPlan.from_config(cfg, 40, topology=Topology.from_config(cfg)).save(tmp_path / "plan.json")
     other = load_config(write_config(workdir, "plan", tiny_target_dir, training={"seed": 7}))
     recorded = PromptPlan.load(tmp_path / "plan.json")
     with pytest.raises(ConfigError, match="seed: 42 → 7"):
