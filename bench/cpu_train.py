@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specforge_core.runtime.host import keep_freed_memory, prefer_passive_omp_wait  # noqa: E402
+from specforge_core.system.host import keep_freed_memory, prefer_passive_omp_wait  # noqa: E402
 
 prefer_passive_omp_wait()  # before torch is imported, as python -m specforge_core.train does
 
@@ -51,10 +51,10 @@ from fixtures.smollm2 import ensure_smollm2  # noqa: E402
 from specforge_core.config import load_config  # noqa: E402
 from specforge_core.data.vocab import VocabMap  # noqa: E402
 from specforge_core.drafts import get_family  # noqa: E402
-from specforge_core.runtime.builder import build_draft, build_objective  # noqa: E402
-from specforge_core.runtime.distributed import init_distributed  # noqa: E402
-from specforge_core.runtime.optim import DraftOptimizer  # noqa: E402
-from specforge_core.runtime.trainer import TrainStep, build_step  # noqa: E402
+from specforge_core.launch.builder import build_draft, build_objective  # noqa: E402
+from specforge_core.system.distributed import init_distributed  # noqa: E402
+from specforge_core.loop.optim import DraftOptimizer  # noqa: E402
+from specforge_core.loop.trainer import TrainStep, build_step  # noqa: E402
 
 CAPTURE_IDS = (1, 14, 26)
 
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-chunk", type=int, default=32768)
     ap.add_argument("--target", default="smollm2", help="smollm2 (ensure_smollm2) or random (its shape, no files)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
-    ap.add_argument("--malloc", choices=["tuned", "default"], default="tuned", help="runtime.host.keep_freed_memory or not")
+    ap.add_argument("--malloc", choices=["tuned", "default"], default="tuned", help="system.host.keep_freed_memory or not")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -416,8 +416,8 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if not code:  # finished: leave without the interpreter's teardown (runtime/distributed.py says why)
-        from specforge_core.runtime.distributed import exit_after_success
+    if not code:  # finished: leave without the interpreter's teardown (system/distributed.py says why)
+        from specforge_core.system.distributed import exit_after_success
 
         exit_after_success()
     sys.exit(code)

@@ -49,8 +49,8 @@ def prepare(folder: Path, recipe: Path, rows: int = 400, overrides: tuple[str, .
     from specforge_core.config import dump_config, load_config
     from specforge_core.data.prompt_cache import open_prompt_cache
     from specforge_core.run.manifest import RunManifest
-    from specforge_core.runtime.dry_run import DatasetSize, dry_run
-    from specforge_core.runtime.preflight import check_target_files
+    from specforge_core.launch.dry_run import DatasetSize, dry_run
+    from specforge_core.launch.preflight import check_target_files
 
     rel = folder.resolve().relative_to(ROOT)
     target = write_target_config(folder / "target", next(n for n in TARGET_CONFIGS if recipe.stem.startswith(n)))

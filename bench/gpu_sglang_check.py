@@ -95,7 +95,8 @@ def phase_agree(arch: str, out_dir: Path) -> None:
     from torch.nn.functional import cosine_similarity
 
     from specforge_core.capture import build_capture_backend
-    from specforge_core.runtime.distributed import init_distributed
+    from specforge_core.run.topology import Topology
+    from specforge_core.system.distributed import init_distributed
 
     init_distributed("cuda")
     target = save_random_target(out_dir / f"tiny-{arch}", arch, SMALL)
@@ -113,7 +114,8 @@ def phase_agree(arch: str, out_dir: Path) -> None:
     del hf32
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    sg = build_capture_backend(run_config(target, "sglang"))
+    sg_cfg = run_config(target, "sglang")
+    sg = build_capture_backend(sg_cfg, topology=Topology.from_config(sg_cfg))
     start_s = time.perf_counter() - t0
     got = sg.capture(req)
     real = want.attention_mask.bool()
@@ -187,7 +189,7 @@ def shape_batches(out_dir: Path, steps: int):
 def phase_shape(out_dir: Path, steps: int = 5) -> None:
     import torch
 
-    from specforge_core.runtime.distributed import init_distributed
+    from specforge_core.system.distributed import init_distributed
 
     init_distributed("cuda")
     target, reqs, tokens = shape_batches(out_dir, steps)
@@ -261,6 +263,7 @@ def phase_peer(out_dir: Path, steps: int = 5) -> None:
     from specforge.offline_capture.sglang_backend.capture import OfflineSGLangCaptureBackend
 
     from specforge_core.capture.sglang_args import SGLangEngineArgs
+    from specforge_core.run.topology import Topology
 
     init_distributed(tp_size=1)
     target, reqs, tokens = shape_batches(out_dir, steps)
@@ -268,7 +271,7 @@ def phase_peer(out_dir: Path, steps: int = 5) -> None:
     # our engine's settings, less what the peer sets itself
     own = {"model_path", "dtype", "trust_remote_code", "enable_return_hidden_states", "disable_cuda_graph",
            "chunked_prefill_size", "tp_size", "pp_size"}
-    kwargs = {k: v for k, v in SGLangEngineArgs.resolve(cfg).kwargs().items() if k not in own}
+    kwargs = {k: v for k, v in SGLangEngineArgs.resolve(cfg, Topology.from_config(cfg)).kwargs().items() if k not in own}
     t0 = time.perf_counter()
     peer = OfflineSGLangCaptureBackend.build(str(target), torch_dtype="bfloat16", **kwargs)
     start_s = time.perf_counter() - t0
@@ -387,13 +390,14 @@ def record_manifest(config_path: Path) -> Path:
     from specforge_core.run.directory import RunDir
     from specforge_core.run.manifest import Ref, RunManifest
     from specforge_core.run.plan import PromptPlan
+    from specforge_core.run.topology import Topology
 
     cfg = load_config(config_path)
     tokenizer = load_tokenizer(cfg)
     cache = ensure_prompt_cache(cfg, tokenizer)
     vocab = ensure_vocab_map(cfg, cache, target_vocab_size(cfg, tokenizer))
     run = RunDir(cfg.output.dir)
-    plan = PromptPlan.from_config(cfg, len(cache.rows("train")))
+    plan = PromptPlan.from_config(cfg, len(cache.rows("train")), topology=Topology.from_config(cfg))
     plan.save(run.plan)
     return RunManifest(config=dump_config(cfg), prompt_cache=Ref(cache.key, str(cache.path)),
                        plan=Ref(plan.key, str(run.plan)), vocab_map=Ref(vocab.key, str(vocab.path))).save(run.manifest)

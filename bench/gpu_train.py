@@ -121,7 +121,7 @@ def phase_refs(args, model) -> None:
 def make_stream(args, backend, rows, *, batch_size, token_budget, steps):
     from specforge_core.run.plan import PromptPlan
     from specforge_core.run.topology import Topology
-    from specforge_core.runtime.rollout import RolloutStream
+    from specforge_core.loop.rollout import RolloutStream
 
     plan = PromptPlan.build(len(rows), seed=args.seed, epochs=1, topology=Topology(1, 1, batch_size),
                             accumulation_steps=1, max_steps=steps)
@@ -213,7 +213,7 @@ def phase_capture_compiled(args, backend, rows) -> None:
     for training only if faster. ``capture_compiled_vs_eager_rel_err``: one batch's capture,
     compiled against eager (the worst of aux and last hidden; bf16 rounding of fused kernels)."""
     from specforge_core.capture.base import TargetRequest
-    from specforge_core.runtime.compile import compile_target
+    from specforge_core.system.compile import compile_target
 
     sample = rows[: args.batch_size]
     request = TargetRequest.from_rows([r["input_ids"] for r in sample], [r["loss_mask"] for r in sample],
@@ -290,16 +290,16 @@ def random_vocab(args, vocab_size: int):
 
 class TrainLoop:
     """The training step of ``specforge_core.train`` on one rank, built by the same builder: the
-    family's draft and objective (``runtime/builder.py``) behind the trainer's FSDP2 root (bf16
-    compute, fp32 masters) and its AdamW + clipping + schedule (``runtime/trainer.build_step``);
+    family's draft and objective (``launch/builder.py``) behind the trainer's FSDP2 root (bf16
+    compute, fp32 masters) and its AdamW + clipping + schedule (``loop/trainer.build_step``);
     ``step(batch)`` is one micro-batch = one optimizer step (accumulation 1)."""
 
     def __init__(self, args, backend, *, compile_pointwise: bool = False, total_steps: int = 1000,
                  attention: str = "auto"):
         from specforge_core.drafts import get_family
-        from specforge_core.runtime.builder import build_draft, build_objective
-        from specforge_core.runtime.distributed import init_distributed
-        from specforge_core.runtime.trainer import build_step
+        from specforge_core.launch.builder import build_draft, build_objective
+        from specforge_core.system.distributed import init_distributed
+        from specforge_core.loop.trainer import build_step
 
         t = [time.perf_counter()]
         d = init_distributed("cuda" if args.device.type == "cuda" else "cpu")
@@ -317,7 +317,7 @@ class TrainLoop:
 
     def step(self, batch) -> None:
         """One step; its phases are named ``bench.forward/backward/optimizer`` in a profile."""
-        from specforge_core.runtime.trainer import sum_loss_grad_scale
+        from specforge_core.loop.trainer import sum_loss_grad_scale
 
         with record_function("bench.forward"):
             loss, sums = self.root(batch)
@@ -705,7 +705,7 @@ def phase_train(args, backend, rows, variant: str) -> None:
     process with an empty ``--compile-cache`` for a clean process's figure."""
     cold = "seconds_to_first_optimizer_step" not in RESULTS
     if variant == "compiled" and "capture_compiled_used" not in RESULTS and args.device.type == "cuda":
-        from specforge_core.runtime.compile import compile_target  # what training.compile does to the target
+        from specforge_core.system.compile import compile_target  # what training.compile does to the target
 
         report("train_target_compiled_modules", compile_target(backend._decoder))
     t0, c0 = time.perf_counter(), compile_seconds()
@@ -986,7 +986,7 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     main()
     # finished: leave without the interpreter's teardown, where a gloo thread can abort the process
-    # (runtime/distributed.py says why)
-    from specforge_core.runtime.distributed import exit_after_success
+    # (system/distributed.py says why)
+    from specforge_core.system.distributed import exit_after_success
 
     exit_after_success()

@@ -6,7 +6,7 @@
 
 Two parameters: the run config model (`specforge_core.config.RunConfig`), which the Prefect UI
 renders as a form, and `dry_run`: run the data stages (cached as ever), then, instead of train and
-validate, the dry run of the recorded prompt cache and plan (`tasks.training.dry_run_layout`:
+validate, the dry run of the recorded prompt cache and plan (`tasks.train_stage.dry_run_layout`:
 topology, plan, SGLang pools, memory per GPU, the launch's own refusals), which is returned and
 published as the `dry-run` artifact; nothing is launched. Run locally (ephemeral API) or through a deployment; resume is driven by the
 flow run's state: `prefect flow-run retry <id>` on a failed or crashed run shows the data stages as
@@ -34,7 +34,7 @@ from specforge_core.errors import SpecForgeError
 from tasks.caching import run_cached
 from tasks.data_stages import build_vocab_map, plan_key, prepare_prompt_cache, record_plan, stage_keys
 from tasks.promotion import promote
-from tasks.training import dry_run_layout, run_dir_for, train
+from tasks.train_stage import dry_run_layout, run_dir_for, train
 from tasks.validation import validate
 
 
@@ -48,12 +48,13 @@ def _warm_start(config: RunConfig) -> RunConfig:
     return config
 
 
-@flow(name="colocated-train", description="Online, colocated EAGLE3 draft training: cached data stages, "
-      "torchrun training, validation by measured acceptance length.")
+@flow(name="colocated-train", description="Online, colocated training of a draft model (EAGLE3, DFlash: "
+      "draft.family): cached data stages, torchrun training, validation by measured acceptance length.")
 def colocated_train(config: RunConfig, dry_run: bool = False) -> dict:
-    """Train an EAGLE3 draft for ``config.model.target`` on ``config.data``; returns where the draft,
-    the report and the acceptance lengths are. ``dry_run``: stop after the data stages with the
-    layout the training would launch (the dry run's report)."""
+    """Train a draft of the family ``config.draft.family`` for ``config.model.target`` on
+    ``config.data``; returns where the draft, the report and the acceptance lengths are.
+    ``dry_run``: stop after the data stages with the layout the training would launch (the dry
+    run's report)."""
     config = _warm_start(config)
     run_dir = run_dir_for(config.output.dir, flow_run.name, flow_run.id)
 

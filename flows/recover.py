@@ -31,7 +31,7 @@ from prefect.states import Crashed
 
 from tasks.process_group import kill_recorded_tree
 from specforge_core.run.directory import RunDir
-from tasks.training import run_dir_for
+from tasks.train_stage import run_dir_for
 
 STUCK = {StateType.RUNNING, StateType.PENDING, StateType.CANCELLING}
 

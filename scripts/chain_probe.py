@@ -22,7 +22,7 @@ from specforge_core.capture.hf import HFCaptureBackend
 from specforge_core.config import load_config
 from specforge_core.data.prompt_cache import ensure_prompt_cache
 from specforge_core.decoding.verifier import load_target
-from specforge_core.decoding.evaluation import capture_layers_for, load_draft
+from specforge_core.decoding.evaluation import capture_layers_for, load_draft_for_decoding
 from specforge_core.drafts.eagle3.objective import ttt_unroll
 
 
@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     torch.set_grad_enabled(False)
     cfg = load_config(args.config, args.overrides)
     model, tok = load_target(cfg)
-    family, draft = load_draft(args.draft, model)
+    family, draft = load_draft_for_decoding(args.draft, model)
     rows = ensure_prompt_cache(cfg, tok).train.select(range(args.rows))
     request = TargetRequest.from_rows([list(map(int, r)) for r in rows["input_ids"]],
                                       [list(map(int, r)) for r in rows["loss_mask"]], slice(0, args.rows))

@@ -239,7 +239,7 @@ class RealCheck:
     # ---- 4. evaluate ----------------------------------------------------------------------------
 
     def evaluate_stage(self) -> dict:
-        from specforge_core.runtime.checkpoint import latest_checkpoint
+        from specforge_core.loop.checkpoint import latest_checkpoint
 
         ckpt = latest_checkpoint(self.run)
         if ckpt is None:
@@ -274,7 +274,7 @@ class RealCheck:
 
     def report_stage(self) -> dict:
         from specforge_core.run.metrics_file import MetricsFile
-        from specforge_core.runtime.checkpoint import checkpoint_step, latest_checkpoint, read_train_state
+        from specforge_core.loop.checkpoint import checkpoint_step, latest_checkpoint, read_train_state
         from tasks.curves import plot_curves
 
         ckpt = latest_checkpoint(self.run)
@@ -430,7 +430,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from specforge_core.runtime.host import prefer_passive_omp_wait
+    from specforge_core.system.host import prefer_passive_omp_wait
 
     prefer_passive_omp_wait()  # before torch is imported: regeneration runs here, train and evaluate inherit it
     args = parse_args(argv)

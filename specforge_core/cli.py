@@ -1,9 +1,9 @@
-"""What every command shares: its argument parser, the run config it loads, and how it ends.
+"""What every command shares: its argument parser and how it ends.
 
     ap = command_parser(__doc__, "python -m specforge_core.export")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    return run_command(lambda: {"out": do_it(load_run_config(args))})
+    return run_command(lambda: {"out": do_it(load_config(args.config, args.overrides))})
 
 The commands are the modules at the top of ``specforge_core`` (``train``, ``prepare``, ``export``,
 ``evaluate``, ``regenerate``) and ``specforge_core.config``. Their contract, kept here once:
@@ -37,13 +37,6 @@ def command_parser(doc: str, prog: str, *, config: bool = True, config_required:
         ap.add_argument("--config", required=config_required, help="YAML run config")
         ap.add_argument("overrides", nargs="*", help=f"dotted config overrides, e.g. {overrides_example}")
     return ap
-
-
-def load_run_config(args: argparse.Namespace):
-    """The run config the parsed ``--config`` and overrides give (raises ConfigError)."""
-    from specforge_core.config import load_config
-
-    return load_config(args.config, args.overrides)
 
 
 def report_error(error: SpecForgeError, prefix: str = "error") -> int:

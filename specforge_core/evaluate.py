@@ -19,13 +19,14 @@ stderr. Either way one JSON line with the numbers is printed (docs/validation.md
 
 import sys
 
-from specforge_core.runtime.host import prefer_passive_omp_wait
+from specforge_core.system.host import prefer_passive_omp_wait
 
 prefer_passive_omp_wait()  # before torch is imported: decoding on busy cores is several times faster with it
 
 from pydantic import ValidationError
 
-from specforge_core.cli import command_parser, load_run_config, run_command
+from specforge_core.cli import command_parser, run_command
+from specforge_core.config import load_config
 from specforge_core.decoding.evaluation import evaluate, evaluate_benchmarks
 from specforge_core.errors import ConfigError
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def body():
-        cfg = load_run_config(args)
+        cfg = load_config(args.config, args.overrides)
         if args.benchmarks is None:
             if args.settings or args.limit is not None:
                 raise ConfigError("--settings and --limit apply to benchmarks", where="--benchmarks",

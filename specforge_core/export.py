@@ -21,7 +21,7 @@ import sys
 from specforge_core.cli import command_parser, run_command
 from specforge_core.drafts import family_of_files
 from specforge_core.errors import ConfigError
-from specforge_core.runtime.checkpoint import resolve_checkpoint_dir
+from specforge_core.loop.checkpoint import resolve_checkpoint_dir
 
 DTYPES = ("float32", "bfloat16", "float16")
 FORMATS = ("sglang", "speculators")

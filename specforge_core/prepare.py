@@ -12,17 +12,18 @@ fix, on stderr, and the exit code is 2.
 
 import sys
 
-from specforge_core.cli import command_parser, load_run_config, run_command
+from specforge_core.cli import command_parser, run_command
+from specforge_core.config import load_config
 
 
 def prepare(cfg) -> dict:
     """ensure_prompt_cache + ensure_vocab_map for ``cfg``; returns the summary printed by main.
 
-    :func:`~specforge_core.runtime.preflight.check_data_inputs` runs first (tokenizer vs target vocab, draft
+    :func:`~specforge_core.launch.preflight.check_data_inputs` runs first (tokenizer vs target vocab, draft
     vocab size, a given draft.vocab_map_path), so a refused run writes nothing.
     """
     from specforge_core.data.prompt_cache import ensure_prompt_cache
-    from specforge_core.runtime.preflight import check_data_inputs
+    from specforge_core.launch.preflight import check_data_inputs
     from specforge_core.data.vocab import ensure_vocab_map
 
     checked = check_data_inputs(cfg)
@@ -43,7 +44,7 @@ def prepare(cfg) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = command_parser(__doc__, "python -m specforge_core.prepare", overrides_example="data.max_length=1024")
     args = ap.parse_args(argv)
-    return run_command(lambda: prepare(load_run_config(args)))
+    return run_command(lambda: prepare(load_config(args.config, args.overrides)))
 
 
 if __name__ == "__main__":

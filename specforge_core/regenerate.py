@@ -10,12 +10,13 @@ one JSON line with the counts and throughput (``specforge_core/decoding/answerin
 
 import sys
 
-from specforge_core.runtime.host import prefer_passive_omp_wait
+from specforge_core.system.host import prefer_passive_omp_wait
 
 prefer_passive_omp_wait()  # before torch is imported: decoding on busy cores is several times faster with it
 from pathlib import Path
 
-from specforge_core.cli import command_parser, load_run_config, run_command
+from specforge_core.cli import command_parser, run_command
+from specforge_core.config import load_config
 from specforge_core.decoding.answering import regenerate
 
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="answer at most this many pending prompts")
     args = ap.parse_args(argv)
     return run_command(lambda: regenerate(
-        load_run_config(args), Path(args.out), files=args.input, batch_size=args.batch_size,
+        load_config(args.config, args.overrides), Path(args.out), files=args.input, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         seed=args.seed, limit=args.limit))
 

@@ -9,7 +9,7 @@
 ``deployment.nproc_per_node × nnodes`` must equal the number of ranks torchrun starts. Lifecycle:
 parse → preflight (config files only) → resolve the inputs (prompt cache, vocab map, plan: from
 the manifest by path, or built/found by rank 0) → build (target + capture backend, draft,
-objective, trainer: ``runtime/builder.py``) → train (resume if the run has checkpoints, train to
+objective, trainer: ``launch/builder.py``) → train (resume if the run has checkpoints, train to
 the plan's horizon, save) → close. Rank 0 holds ``<output.dir>/RUN.lock`` for the whole run,
 prints ``step=i/N loss=...`` lines and writes ``metrics.jsonl``; checkpoints go to
 ``<output.dir>/checkpoints``. Exit code 2 on a configuration, data, model, resume or checkpoint
@@ -27,12 +27,11 @@ apply on top).
 on this machine, from the target's config.json alone — topology, draft config, plan, SGLang engine
 arguments and pools, a memory estimate per GPU — through the checks the launch runs, prints the
 layout and one JSON line, and refuses a broken layout as the launch would (exit code 2, the field
-and the fix). ``runtime/dry_run.py`` says what it checks, where the dataset size comes from
+and the fix). ``launch/dry_run.py`` says what it checks, where the dataset size comes from
 (``--rows``, the manifest's prompt cache, or the rows of ``data.train_files`` counted) and the
 memory formula.
 """
 
-import contextlib
 import sys
 
 from specforge_core.cli import command_parser, report_error
@@ -43,7 +42,7 @@ def parse_args(argv: list[str] | None = None):
     ap = command_parser(__doc__, "python -m specforge_core.train", config_required=False)
     ap.add_argument("--plan", help="a recorded plan.json (default: build it from the config and data)")
     ap.add_argument("--manifest", help="a run manifest (run.json) recorded by the flow: config and inputs by path")
-    dry = ap.add_argument_group("dry run (runtime/dry_run.py)")
+    dry = ap.add_argument_group("dry run (launch/dry_run.py)")
     dry.add_argument("--dry-run", action="store_true",
                      help="check and print the layout on this machine: no weights, no tokenizer, no processes")
     dry.add_argument("--world", type=int, help="the ranks torchrun will start (default: the config's world size)")
@@ -74,59 +73,13 @@ def load_run(args):
     return config_from_dict(data, source=f"{args.manifest}: config"), manifest
 
 
-@contextlib.contextmanager
-def run_lock(cfg, d):
-    """Rank 0 holds ``<output.dir>/RUN.lock`` for the run; every rank fails if it cannot."""
-    from specforge_core.runtime.distributed import broadcast_object
-    from specforge_core.runtime.run_lock import RunLock
-
-    lock, error = None, None
-    if d.is_main:
-        try:
-            lock = RunLock(cfg.output.dir, wait_s=None if cfg.output.on_busy == "fail" else float("inf")).acquire()
-            if lock.took_over is not None:
-                print(f"took over the stale lock of {lock.took_over.describe()}", flush=True)
-        except SpecForgeError as e:
-            error = e
-    error = broadcast_object(d, error)
-    if error is not None:
-        raise error
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def train(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
-    """Preflight, resolve, build and fit on this rank (collective: every rank calls it)."""
-    from specforge_core.run.directory import RunDir
-    from specforge_core.run.topology import Topology
-    from specforge_core.runtime.builder import build_training, inputs_from_manifest, resolve_inputs
-    from specforge_core.runtime.compile import compile_cache
-    from specforge_core.runtime.preflight import check_run_inputs
-
-    Topology.launched(cfg, d.world_size)  # torchrun's world must be the config's
-    checked = check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
-    with run_lock(cfg, d), compile_cache(RunDir(cfg.output.dir).compile_cache):
-        if manifest is not None:
-            inputs = inputs_from_manifest(manifest, d, checked, cfg=cfg)
-        else:
-            inputs = resolve_inputs(cfg, d, checked, plan_path=plan_path)
-        trainer, backend = build_training(cfg, d, inputs, checked)
-        try:
-            trainer.fit()
-        finally:
-            backend.close()
-
-
-def dry_run(args) -> int:
+def print_dry_run(args) -> int:
     """``--dry-run``: resolve and check the launch, print its layout and one JSON line; no rank starts."""
     from specforge_core.cli import run_command
 
     def body() -> dict:
-        from specforge_core.runtime.dry_run import GIB, DatasetSize, dry_run, manifest_dataset
-        from specforge_core.runtime.preflight import check_target_files
+        from specforge_core.launch.dry_run import GIB, DatasetSize, dry_run, manifest_dataset
+        from specforge_core.launch.preflight import check_target_files
 
         cfg, manifest = load_run(args)
         world = cfg.deployment.world_size if args.world is None else args.world
@@ -148,12 +101,13 @@ def dry_run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
-        return dry_run(args)
-    from specforge_core.runtime.host import keep_freed_memory, prefer_passive_omp_wait
+        return print_dry_run(args)
+    from specforge_core.system.host import keep_freed_memory, prefer_passive_omp_wait
 
-    prefer_passive_omp_wait()  # before torch is imported (runtime/host.py says why)
+    prefer_passive_omp_wait()  # before torch is imported (system/host.py says why)
     # Before anything touches CUDA: the allocator reads its configuration once, at initialisation.
-    from specforge_core.runtime.distributed import close_distributed, enable_expandable_segments, init_distributed
+    from specforge_core.system.distributed import close_distributed, enable_expandable_segments, init_distributed
+    from specforge_core.launch.builder import launch_rank
 
     enable_expandable_segments()
     try:
@@ -164,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecForgeError as e:
         return report_error(e)
     try:
-        train(cfg, d, manifest=manifest, plan_path=args.plan)
+        launch_rank(cfg, d, manifest=manifest, plan_path=args.plan)
     except SpecForgeError as e:
         return report_error(e, f"error (rank {d.rank})")
     finally:
@@ -175,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     if code == 0:  # a finished rank leaves without the interpreter's teardown (distributed.py says why)
-        from specforge_core.runtime.distributed import exit_after_success
+        from specforge_core.system.distributed import exit_after_success
 
         exit_after_success()
     sys.exit(code)

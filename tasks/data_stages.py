@@ -25,6 +25,7 @@ from specforge_core.data.tokenize import load_tokenizer
 from specforge_core.run.plan import PromptPlan
 from specforge_core.capture.target_info import target_vocab_size
 from specforge_core.data.vocab import ensure_vocab_map, vocab_map_key
+from specforge_core.run.topology import Topology
 from tasks.caching import StageOutput, content_key
 
 
@@ -46,7 +47,7 @@ def stage_keys(config: RunConfig) -> StageKeys:
 
 
 def _plan(config: RunConfig, cache: StageOutput) -> PromptPlan:
-    return PromptPlan.from_config(config, cache.facts["train_rows"])
+    return PromptPlan.from_config(config, cache.facts["train_rows"], topology=Topology.from_config(config))
 
 
 def plan_key(config: RunConfig, cache: StageOutput) -> str:

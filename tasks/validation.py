@@ -40,7 +40,7 @@ from specforge_core.io import atomic_write_text
 from specforge_core.run.directory import RunDir
 from tasks.caching import StageOutput
 from tasks.curves import plot_curves
-from tasks.training import trainer_config
+from tasks.train_stage import trainer_config
 
 
 def untrained_draft(family, trained, vocab_map: StageOutput | None, seed: int, out_dir: Path) -> Path:

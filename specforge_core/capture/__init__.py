@@ -1,6 +1,6 @@
 """Target capture: one protocol, two backends (``hf``, ``sglang``), built from the run config.
 
-    backend = build_capture_backend(cfg, rank=rank, local_rank=local_rank)
+    backend = build_capture_backend(cfg, rank=rank, local_rank=local_rank, topology=plan.topology)
     batch = backend.capture(request)      # see capture/base.py for the CapturedBatch contract
 
 Modules: ``base`` (request, batch, protocol), ``target_info`` (the target's config, capture
@@ -20,12 +20,14 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
                           topology: Topology | None = None, target_config=None,
                           layer_ids: tuple[int, ...] | None = None, last_hidden: bool = True,
                           engine_factory=None) -> CaptureBackend:
-    """Load the target for ``rank`` of ``topology`` (default: the config's) and return its backend.
+    """Load the target for ``rank`` of ``topology`` (the run's; ``sglang`` needs it, ``hf`` reads
+    none: every TP peer captures the whole TP-wide batch) and return its backend.
 
-    Runs the target-dependent checks first (:func:`~specforge_core.capture.target_info.validate_colocated`,
-    capture-layer range). ``target_config``: the target's config when the caller already read it
-    (preflight), else it is read here. ``layer_ids``: the target layers to capture, as the draft
-    family resolved them (default: EAGLE3's rule, ``target_info.resolve_capture_layers``);
+    ``target_config`` and ``layer_ids``: what the launch's preflight read and checked (the
+    target's config; the target layers to capture, as the draft family resolved them). Without
+    them the target's config is read here, the layers follow EAGLE3's rule
+    (``target_info.resolve_capture_layers``), and the same target-dependent checks run first
+    (:func:`~specforge_core.capture.target_info.validate_colocated`, capture-layer range);
     ``last_hidden``: keep the target's post-norm hidden (EAGLE3's teacher; DFlash needs none). For ``sglang``, ``engine_factory(args, layer_ids, place=,
     device=, islands=)`` builds the engine for this rank's place in its island (every rank at once): SGLang's
     ``ModelRunnerEngine.start`` by default, ``FakeSGLangEngine.start`` in CPU tests.
@@ -33,13 +35,13 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
     from specforge_core.capture.target_info import (
         load_target_config, resolve_capture_layers, text_config, validate_colocated,
     )
-    from specforge_core.runtime.device import resolve_device, resolve_dtype
+    from specforge_core.system.device import resolve_device, resolve_dtype
 
-    topology = topology or Topology.from_config(cfg)
-    place = topology.place(rank)
     device = resolve_device(cfg.capture.device, local_rank)
-    target_config = target_config or load_target_config(cfg)
-    validate_colocated(cfg, target_config)
+    checked = target_config is not None and layer_ids is not None
+    if not checked:  # a caller without the launch's preflight
+        target_config = target_config or load_target_config(cfg)
+        validate_colocated(cfg, target_config)
     layer_ids = tuple(layer_ids) if layer_ids else resolve_capture_layers(cfg, target_config, draft_config)
     if cfg.capture.backend == "hf":
         from specforge_core.capture.hf import HFCaptureBackend
@@ -50,14 +52,17 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
     from specforge_core.capture.sglang_backend import SGLangCaptureBackend
     from specforge_core.capture.target_info import load_target_head
 
-    from specforge_core.capture.sglang_backend import check_layer_ids
+    if topology is None:
+        raise ValueError("the sglang backend needs the run's topology: pass topology=")
+    if not checked:
+        from specforge_core.capture.sglang_backend import check_layer_ids
 
-    check_layer_ids(layer_ids, text_config(target_config).num_hidden_layers)
+        check_layer_ids(layer_ids, text_config(target_config).num_hidden_layers)
     if engine_factory is None:
         from specforge_core.capture.sglang_engine import ModelRunnerEngine
 
         engine_factory = ModelRunnerEngine.start
-    engine = engine_factory(SGLangEngineArgs.resolve(cfg, topology), layer_ids, place=place, device=device,
+    engine = engine_factory(SGLangEngineArgs.resolve(cfg, topology), layer_ids, place=topology.place(rank), device=device,
                             islands=topology.islands())
     embed, head = load_target_head(cfg.model.target, target_config, resolve_dtype(cfg.model.dtype, device), device)
     return SGLangCaptureBackend(engine, target_config, embed, head, keep_last_hidden=last_hidden)

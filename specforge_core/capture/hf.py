@@ -37,8 +37,8 @@ from specforge_core.capture.base import (
 )
 from specforge_core.capture.packing import layout_for
 from specforge_core.capture.target_info import load_target_config, resolve_capture_layers, text_config, validate_colocated
-from specforge_core.runtime.device import resolve_dtype
-from specforge_core.runtime.compile import compile_target
+from specforge_core.system.device import resolve_dtype
+from specforge_core.system.compile import compile_target
 from specforge_core.errors import ModelError
 
 

@@ -1,6 +1,6 @@
 """SGLang engine arguments, resolved once from the run config, with two views of one object.
 
-    args = SGLangEngineArgs.resolve(cfg)
+    args = SGLangEngineArgs.resolve(cfg, topology)   # the run's Topology (run/topology.py)
     args.kwargs()   # {"model_path": ..., "tp_size": 2, ...}   → ServerArgs(**kwargs) in-process
     args.argv()     # ["--model-path", ..., "--tp-size", "2"]  → python -m sglang.launch_server ...
 
@@ -33,11 +33,10 @@ class SGLangEngineArgs:
     items: tuple[tuple[str, Any], ...]
 
     @classmethod
-    def resolve(cls, cfg, topology: Topology | None = None) -> "SGLangEngineArgs":
+    def resolve(cls, cfg, topology: Topology) -> "SGLangEngineArgs":
         """The engine arguments of a validated :class:`~specforge_core.config.RunConfig` for one
-        island of ``topology`` (default: the config's own)."""
+        island of the run's ``topology``."""
         s, t = cfg.capture.sglang, cfg.training
-        topology = topology or Topology.from_config(cfg)
         island_batch = topology.island_batch_size
         resolved: dict[str, Any] = {
             "model_path": cfg.model.target,

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from specforge_core.capture.sglang_backend import (
-    PackedCapture, check_engine_pools, check_engine_request, check_layer_ids, check_lockstep,
+    PackedCapture, check_engine_pools, check_engine_request, check_lockstep,
 )
 from specforge_core.errors import CaptureError
 
@@ -163,10 +163,10 @@ def _install_capture_head(model: torch.nn.Module) -> None:
 class ModelRunnerEngine:
     """SGLang ``ModelRunner`` driven directly; one TP-wide extend per :meth:`capture`."""
 
-    def __init__(self, runner, tree_cache, layer_ids: Sequence[int], place, device: torch.device):
+    def __init__(self, runner, tree_cache, layer_ids: Sequence[int], place, device: torch.device, *, tp_size: int):
         self.runner, self._tree_cache = runner, tree_cache
         self.layer_ids = tuple(layer_ids)
-        self.tp_rank, self.tp_size, self.device = place.tp_rank, len(place.island_ranks), device
+        self.tp_rank, self.tp_size, self.device = place.tp_rank, tp_size, device
         # SGLang returns aux states in ascending layer order; the family may want another
         self._order = [sorted(self.layer_ids).index(i) for i in self.layer_ids]
         self._where = f"sglang engine, rank {place.rank} (island {place.island}, tp_rank {place.tp_rank})"
@@ -195,8 +195,7 @@ class ModelRunnerEngine:
 
         server_args = ServerArgs(**args.kwargs())
         model_config = ModelConfig.from_server_args(server_args)
-        check_layer_ids(layer_ids, model_config.num_hidden_layers)
-        tp = len(place.island_ranks)
+        tp = args.get("tp_size")
         with _island_groups(islands):
             runner = ModelRunner(
                 model_config=model_config,
@@ -229,7 +228,7 @@ class ModelRunnerEngine:
             token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
             page_size=server_args.page_size,
         ))
-        return cls(runner, tree_cache, layer_ids, place, device)
+        return cls(runner, tree_cache, layer_ids, place, device, tp_size=tp)
 
     def capture(self, input_ids: Sequence[Sequence[int]], local: slice) -> PackedCapture:
         from sglang.srt.managers.schedule_batch import Req, ScheduleBatch

@@ -62,7 +62,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
     """Per-sample causal attention of ``q [N, nh, hd]``, ``k``/``v`` ``[N, nkv, hd]`` over the samples
     that ``cu`` (cumulative lengths, int32) cuts the N tokens into → ``[N, nh, hd]``.
 
-    A custom op, so that a compiled decoder layer (``runtime.compile.compile_target``) traces it
+    A custom op, so that a compiled decoder layer (``system.compile.compile_target``) traces it
     as one opaque call: the element-wise work on both sides of it (RoPE and the ``[N, heads, hd]``
     layout before, the residual and norm after) fuses around it, and the per-sample loop of the
     CPU path never reaches the tracer."""

@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from specforge_core.errors import ConfigError
+from specforge_core.run.topology import Topology
 
 
 class ConfigDeprecationWarning(UserWarning):
@@ -254,7 +255,7 @@ class TrainingConfig(_Section):
     time_budget: str | None = Field(
         None, description="Train for this much wall time (45s, 30m, 2h, 1h30m): stop at the first whole "
         "optimizer step that spends it, and run warm-up and decay over the fraction spent instead of the "
-        "steps (runtime/budget.py). The plan's horizon (num_epochs, max_steps) still caps the run."
+        "steps (loop/budget.py). The plan's horizon (num_epochs, max_steps) still caps the run."
     )
     heldout: HeldOutDecodeConfig = Field(default_factory=HeldOutDecodeConfig)
 
@@ -457,21 +458,18 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _colocated_topology(self) -> "RunConfig":
-        t, d = self.training, self.deployment
+        t = self.training
         if t.sp_size != 1:
             raise ValueError(
                 f"training.sp_size={t.sp_size}: sequence parallelism is not supported in "
                 "deployment.mode=local_colocated; set training.sp_size=1"
             )
-        tp = self.capture.tp_size
-        if d.world_size % tp:
-            raise ValueError(
-                f"capture.tp_size={tp} must divide the world size "
-                f"(deployment.nproc_per_node × nnodes = {d.world_size}); "
-                "change capture.tp_size or deployment.nproc_per_node"
-            )
+        try:
+            topology = Topology.from_config(self)  # the one statement of "tp_size divides the world"
+        except ConfigError as e:  # as a field error of the form, with the form's shorter fix
+            raise ValueError(f"{e.problem}; change capture.tp_size or deployment.nproc_per_node") from None
         if self.capture.backend == "sglang":
-            self._check_sglang_capacity()
+            self._check_sglang_capacity(topology)
         if self.draft.family == "dflash" and self.model.capture_layer_ids is not None:
             raise ValueError(
                 "model.capture_layer_ids picks EAGLE3's three layers; a DFlash draft reads "
@@ -510,12 +508,10 @@ class RunConfig(_Section):
             return self.validation.num_steps
         return self.draft.dflash.block_size - 1 if self.draft.family == "dflash" else 3
 
-    def _check_sglang_capacity(self) -> None:
+    def _check_sglang_capacity(self, topology) -> None:
         """The engine must hold one TP-wide batch: tp_size × batch_size rows of max_length tokens."""
-        from specforge_core.run.topology import Topology
-
-        s, max_len, tp = self.capture.sglang, self.data.max_length, self.capture.tp_size
-        rows = Topology(self.deployment.world_size, tp, self.training.batch_size).island_batch_size
+        s, max_len, tp = self.capture.sglang, self.data.max_length, topology.tp_size
+        rows = topology.island_batch_size
         if tp % s.ep_size:
             raise ValueError(
                 f"capture.sglang.ep_size={s.ep_size} must divide capture.tp_size={tp} "

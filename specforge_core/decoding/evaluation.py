@@ -26,15 +26,15 @@ from specforge_core.errors import ConfigError, DataError, ModelError, SpecForgeE
 from specforge_core.io import atomic_write_text
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import RunManifest
-from specforge_core.runtime.checkpoint import TRAIN_STATE, checkpoint_step, resolve_checkpoint_dir
+from specforge_core.loop.checkpoint import TRAIN_STATE, checkpoint_step, resolve_checkpoint_dir
 
 
-def load_draft(path: str | Path, model):
+def load_draft_for_decoding(path: str | Path, model):
     """``(family, draft)``: the draft at ``path`` (export, checkpoint step or run directory), ready
     to decode beside ``model`` (its device and dtype, the target's embedding where it uses one)."""
-    from specforge_core.drafts import load_draft as load_files
+    from specforge_core.drafts import load_draft
 
-    family, draft = load_files(path)
+    family, draft = load_draft(path)
     return family, family.prepare_for_decoding(draft, model)
 
 
@@ -121,7 +121,7 @@ def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_n
     report_path = Path(report_path or RunDir(cfg.output.dir).evaluation_report)
 
     model, tok = load_target(cfg)
-    family, draft = load_draft(draft_path, model)
+    family, draft = load_draft_for_decoding(draft_path, model)
     capture_ids = capture_layers_for(cfg, model, family, draft)
     prompts = held_out_prompts(cfg, tok, num_prompts)
     stops = stop_token_ids(model, tok, ChatRenderer(tok, template_kwargs=cfg.data.chat_template_kwargs).end_of_turn)
@@ -191,7 +191,7 @@ def evaluate_benchmarks(cfg, draft_path: str | Path, *, benchmarks: list[str] | 
     prompt_sets = {name: load_prompt_set(name, limit=limit) for name in names}
 
     model, tok = load_target(cfg)
-    family, draft = load_draft(draft_path, model)
+    family, draft = load_draft_for_decoding(draft_path, model)
     capture_ids = capture_layers_for(cfg, model, family, draft)
     chat = ChatCodec(tok, cfg.data.chat_template_kwargs)
     stops = stop_token_ids(model, tok, chat.renderer.end_of_turn)

@@ -26,8 +26,8 @@ from specforge_core.errors import ConfigError
 
 
 class Drafter(Protocol):
-    """What the decoding loop needs from a draft (``drafts.eagle3.decoding.DraftRunner``,
-    ``drafts.dflash.decoding.DFlashDrafter``).
+    """What the decoding loop needs from a draft (``drafts.eagle3.drafter.DraftRunner``,
+    ``drafts.dflash.drafter.DFlashDrafter``).
 
     The draft keeps, per batch row, one "step-0" row per target position t: embedding of token
     t+1 and the target's aux states at t. Rows are in the target's batch order.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specforge_core.runtime.device import resolve_device, resolve_dtype
+from specforge_core.system.device import resolve_device, resolve_dtype
 from specforge_core.errors import ModelError
 
 

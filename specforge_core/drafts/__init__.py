@@ -105,7 +105,7 @@ def family_of_files(directory: str | Path) -> DraftFamily:
 def load_draft(path: str | Path) -> tuple[DraftFamily, nn.Module]:
     """``(family, draft)`` of an exported directory, a checkpoint step directory, or a run directory
     (its newest checkpoint), on the CPU in the files' dtype, without the target's embedding."""
-    from specforge_core.runtime.checkpoint import resolve_checkpoint_dir
+    from specforge_core.loop.checkpoint import resolve_checkpoint_dir
 
     path = Path(path)
     if (path / "config.json").is_file():

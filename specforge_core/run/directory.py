@@ -9,12 +9,12 @@ Layout (``output.dir``, or ``<output.dir>/<flow run>-<id>`` when the flow runs i
     config.yaml         the run config the flow's train task recorded for people (credentials masked)
     plan.json           the prompt plan (run/plan.py): the authority on who trains what
     metrics.jsonl       one record per log interval (run/metrics_file.py)
-    RUN.lock            held by rank 0 while a run trains here (runtime/run_lock.py)
+    RUN.lock            held by rank 0 while a run trains here (loop/run_lock.py)
     train.log           every line torchrun printed (the flow's train task)
     train.tree          the launched process tree, for stopping it after a crash (tasks/process_group.py)
-    checkpoints/        step-NNNNNNNN/ directories and ``latest`` (runtime/checkpoint.py)
+    checkpoints/        step-NNNNNNNN/ directories and ``latest`` (loop/checkpoint.py)
     compile-cache/      torch.compile's inductor/Triton caches on CUDA: a resumed run reuses them
-                        (runtime/compile.py; absent on CPU, where nothing is compiled)
+                        (system/compile.py; absent on CPU, where nothing is compiled)
     draft/              the exported draft (validate stage)
     draft-untrained/    an untrained draft of the same config, the "before" of a cold start
     validation.md       the evaluator's report when it is run by hand

@@ -68,9 +68,3 @@ class RunManifest:
             )
         except (KeyError, TypeError) as e:
             raise ConfigError(f"the run manifest lacks a field ({e})", where=str(path), fix=fix) from None
-
-    def run_config(self, *, where: str = "run.json"):
-        """The recorded run config as a :class:`~specforge_core.config.RunConfig`."""
-        from specforge_core.config import config_from_dict
-
-        return config_from_dict(self.config, source=f"{where}: config")

@@ -9,7 +9,7 @@
 The one module that writes or parses the file: the trainer's metrics logger, the evaluator's
 report (the simulated figures of a checkpoint), the Prefect table artifact and the curves plot
 all go through it. A record always has ``step`` and ``total_steps``; the rest is listed in
-``runtime/metrics.py``.
+``loop/metrics.py``.
 """
 
 import json

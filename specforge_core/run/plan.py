@@ -32,6 +32,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -137,18 +138,18 @@ class PromptPlan:
                    max_steps, digest)
 
     @classmethod
-    def from_config(cls, cfg, dataset_size: int, *, topology: Topology | None = None) -> "PromptPlan":
+    def from_config(cls, cfg, dataset_size: int, *, topology: Topology) -> "PromptPlan":
         """The plan of a :class:`~specforge_core.config.RunConfig` over ``dataset_size`` prompts
-        (``topology``: the run's, default the config's own)."""
+        for the run's ``topology``."""
         t = cfg.training
-        return cls.build(dataset_size, seed=t.seed, epochs=t.num_epochs,
-                         topology=topology or Topology.from_config(cfg),
+        return cls.build(dataset_size, seed=t.seed, epochs=t.num_epochs, topology=topology,
                          accumulation_steps=t.accumulation_steps, max_steps=t.max_steps)
 
     # ---- derived numbers ---------------------------------------------------------------------
 
-    @property
+    @cached_property
     def topology(self) -> Topology:
+        """The layout the plan was made for, made once from its record and handed down from here."""
         return Topology(self.world_size, self.tp_size, self.batch_size)
 
     @property

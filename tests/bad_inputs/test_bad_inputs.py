@@ -120,7 +120,7 @@ def make_vocab_maps(case: dict, root: Path) -> None:
 def make_draft_configs(case: dict, root: Path, tiny_target: Path) -> None:
     from transformers import AutoConfig
 
-    from specforge_core.drafts.eagle3.config import draft_config_from_target, serving_config_dict
+    from specforge_core.drafts.eagle3.draft_config import draft_config_from_target, serving_config_dict
 
     for name, patch in (case.get("draft_configs") or {}).items():
         generated = serving_config_dict(draft_config_from_target(AutoConfig.from_pretrained(tiny_target), 32))

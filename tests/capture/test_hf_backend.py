@@ -141,13 +141,13 @@ def test_hidden_states_at_padded_positions_are_zero(tiny_target_dir):
 
 @pytest.mark.parametrize("arch_dir", ["tiny_target_dir", "tiny_qwen3_dir"])
 def test_compiled_target_layers_are_one_graph_for_every_layer_and_packing_and_capture_the_same(arch_dir, request):
-    """training.compile on CUDA compiles each decoder layer as one region (runtime.compile's
+    """training.compile on CUDA compiles each decoder layer as one region (system.compile's
     compile_target). All layers and every packing (token and sample counts, one sample alone)
     share one graph, traced through the packed attention as one op (no graph break), and the
     capture equals the uncompiled one."""
     from dataclasses import replace
 
-    from specforge_core.runtime.compile import compile_target
+    from specforge_core.system.compile import compile_target
 
     model_dir = request.getfixturevalue(arch_dir)
     eager, compiled = backend_for(model_dir), backend_for(model_dir)

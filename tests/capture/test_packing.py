@@ -11,6 +11,7 @@ from specforge_core.capture.hf import HFCaptureBackend
 from specforge_core.capture.packing import RowLayout, balanced_rows
 from specforge_core.config import load_config
 from specforge_core.errors import ConfigError
+from specforge_core.run.topology import Topology
 
 from .conftest import make_request
 
@@ -56,7 +57,7 @@ def sglang_backend(tiny_target_dir):
         f"model.target={tiny_target_dir}", "capture.backend=sglang", "data.max_length=256", "model.dtype=float32",
         "training.batch_size=8",
     ])
-    return build_capture_backend(cfg, engine_factory=FakeSGLangEngine.start)
+    return build_capture_backend(cfg, topology=Topology.from_config(cfg), engine_factory=FakeSGLangEngine.start)
 
 
 def test_rows_start_from_the_fewest_that_could_fit_the_budget():
@@ -160,7 +161,8 @@ def test_k_layers_without_the_final_hidden_are_captured_packed_or_not(backend_na
     cfg = load_config(None, [f"model.target={tiny_target_dir}", f"capture.backend={backend_name}",
                              "data.max_length=256", "model.dtype=float32", "draft.family=dflash",
                              "training.batch_size=4"])
-    backend = build_capture_backend(cfg, layer_ids=ids, last_hidden=False, engine_factory=FakeSGLangEngine.start)
+    backend = build_capture_backend(cfg, topology=Topology.from_config(cfg), layer_ids=ids, last_hidden=False,
+                                    engine_factory=FakeSGLangEngine.start)
     request = make_request([9, 5, 7, 3], local=slice(0, 4))
     plain, pack = backend.capture(request), backend.capture(packed(request, token_budget=16))
     assert backend.layer_ids == ids and plain.last_hidden is None and pack.last_hidden is None

@@ -2,13 +2,15 @@
 
 from specforge_core.capture.sglang_args import SGLangEngineArgs
 from specforge_core.config import SGLANG_RESOLVED_FIELDS, load_config
+from specforge_core.run.topology import Topology
 
 
 def resolve(*overrides) -> SGLangEngineArgs:
-    return SGLangEngineArgs.resolve(load_config(None, [
+    cfg = load_config(None, [
         "model.target=/models/qwen3-8b", "capture.backend=sglang", "capture.tp_size=2",
         "deployment.nproc_per_node=4", "training.batch_size=3", "data.max_length=1024", *overrides,
-    ]))
+    ])
+    return SGLangEngineArgs.resolve(cfg, Topology.from_config(cfg))
 
 
 def parse_argv(argv: list[str]) -> dict:

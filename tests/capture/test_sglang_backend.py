@@ -9,6 +9,7 @@ from specforge_core.capture.hf import HFCaptureBackend
 from specforge_core.capture.sglang_backend import PackedCapture, SGLangCaptureBackend
 from specforge_core.config import load_config
 from specforge_core.errors import CaptureError
+from specforge_core.run.topology import Topology
 
 from .conftest import make_request
 
@@ -22,7 +23,7 @@ def sglang_config(model_dir, *overrides):
 
 def sglang_backend(model_dir, rank=0, tp_size=1, engine_factory=FakeSGLangEngine.start):
     cfg = sglang_config(model_dir, f"capture.tp_size={tp_size}", f"deployment.nproc_per_node={tp_size}")
-    return build_capture_backend(cfg, rank=rank, engine_factory=engine_factory)
+    return build_capture_backend(cfg, rank=rank, topology=Topology.from_config(cfg), engine_factory=engine_factory)
 
 
 @pytest.fixture(scope="module")

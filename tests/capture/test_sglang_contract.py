@@ -20,6 +20,7 @@ from specforge_core.capture import sglang_engine
 from specforge_core.capture.sglang_args import SGLangEngineArgs
 from specforge_core.capture.sglang_engine import SGLANG_VERSION
 from specforge_core.config import load_config
+from specforge_core.run.topology import Topology
 
 CONTRACT_READ_FOR = "0.5.14"
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,7 +177,7 @@ def test_the_model_config_and_every_resolved_server_arg_exist(wheel):
     server_args = cls(source(wheel, "srt/server_args.py"), "ServerArgs")
     fields = {n.target.id for n in server_args.body if isinstance(n, ast.AnnAssign)}
     cfg = load_config(None, ["model.target=/m", "capture.backend=sglang", "capture.device=cuda"])
-    missing = sorted(set(SGLangEngineArgs.resolve(cfg).kwargs()) - fields)
+    missing = sorted(set(SGLangEngineArgs.resolve(cfg, Topology.from_config(cfg)).kwargs()) - fields)
     assert not missing, f"ServerArgs lost {missing}"
 
 

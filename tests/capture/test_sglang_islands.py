@@ -16,7 +16,7 @@ from specforge_core.config import load_config
 from specforge_core.errors import CaptureError
 from specforge_core.run.plan import PromptPlan
 from specforge_core.run.topology import Topology
-from specforge_core.runtime.rollout import RolloutStream
+from specforge_core.loop.rollout import RolloutStream
 from tests.runtime.harness import run_ranks
 
 
@@ -37,7 +37,7 @@ def _fix_masks(rows):
 
 
 def _capture_worker(rank, model_dir, mismatched):
-    from specforge_core.runtime.distributed import close_distributed, init_distributed
+    from specforge_core.system.distributed import close_distributed, init_distributed
 
     d = init_distributed("cpu", timeout_s=60)
     cfg = _config(model_dir)

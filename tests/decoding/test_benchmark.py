@@ -15,8 +15,8 @@ from specforge_core.decoding.benchmark import DecodingSetting, SettingFigures, c
 from specforge_core.decoding.evaluation import ChatCodec, evaluate_benchmarks, trained_template_kwargs
 from specforge_core.decoding.speculative import Generation, decode
 from specforge_core.decoding.verifier import DecodingTarget
-from specforge_core.drafts.eagle3.config import draft_config_from_target
-from specforge_core.drafts.eagle3.decoding import DraftRunner
+from specforge_core.drafts.eagle3.draft_config import draft_config_from_target
+from specforge_core.drafts.eagle3.drafter import DraftRunner
 from specforge_core.drafts.eagle3.model import Eagle3DraftModel
 from specforge_core.drafts.eagle3.serving import export_draft, save_draft_checkpoint_files
 from specforge_core.errors import ConfigError
@@ -220,7 +220,7 @@ def test_an_unknown_benchmark_is_refused_before_the_target_loads(run, tmp_path, 
 @pytest.mark.parametrize("family", ["eagle3", "dflash"])
 def test_the_real_check_command_runs_every_packaged_set_at_the_default_settings(family, tiny_target_dir, tmp_path,
                                                                                 capsys):
-    from specforge_core.drafts.dflash.config import dflash_config_from_target
+    from specforge_core.drafts.dflash.draft_config import dflash_config_from_target
     from specforge_core.drafts.dflash.model import DFlashDraftModel
     from specforge_core.drafts.dflash.serving import export_dflash
 

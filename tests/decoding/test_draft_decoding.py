@@ -6,12 +6,12 @@ from transformers import AutoModelForCausalLM
 
 from specforge_core.capture.target_info import default_capture_layers
 from specforge_core.decoding.acceptance import AcceptanceStats
-from specforge_core.drafts.eagle3.decoding import DraftRunner
+from specforge_core.drafts.eagle3.drafter import DraftRunner
 from specforge_core.decoding.measure import measure_acceptance
 from specforge_core.decoding.speculative import decode, decode_batch
 from specforge_core.decoding.tree import DraftTree, select_tree
 from specforge_core.decoding.verifier import DecodingTarget
-from specforge_core.drafts.eagle3.config import draft_config_from_target
+from specforge_core.drafts.eagle3.draft_config import draft_config_from_target
 from specforge_core.drafts.eagle3.model import Eagle3DraftModel
 from specforge_core.drafts.eagle3.objective import ttt_unroll
 

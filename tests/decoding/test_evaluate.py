@@ -11,7 +11,7 @@ from specforge_core.errors import DataError, ModelError
 from specforge_core.decoding.evaluation import evaluate
 from specforge_core.evaluate import main
 from specforge_core.drafts.eagle3.serving import export_draft, save_draft_checkpoint_files
-from specforge_core.drafts.eagle3.config import draft_config_from_target
+from specforge_core.drafts.eagle3.draft_config import draft_config_from_target
 from specforge_core.drafts.eagle3.model import Eagle3DraftModel
 
 QUESTIONS = ["what is the capital of France", "tell me a story", "hi", "name three rivers",

@@ -7,7 +7,7 @@ import pytest
 from specforge_core.decoding.acceptance import AcceptanceStats
 from specforge_core.decoding.report import chain_acceptance_length, render_report, simulated_acceptance
 from specforge_core.run.metrics_file import MetricsFile
-from specforge_core.runtime.checkpoint import checkpoint_step
+from specforge_core.loop.checkpoint import checkpoint_step
 from specforge_core.decoding.speculative import Generation
 
 

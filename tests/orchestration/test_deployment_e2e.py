@@ -16,10 +16,10 @@ from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import FlowRunFilter, LogFilter
 
 from deployments.local_stack import PROJECT_DIR, LocalPrefect
-from specforge_core.runtime.checkpoint import latest_checkpoint
+from specforge_core.loop.checkpoint import latest_checkpoint
 from tasks.process_group import tree_members
 from specforge_core.run.directory import RunDir
-from tasks.training import run_dir_for
+from tasks.train_stage import run_dir_for
 from tests.orchestration.conftest import alive, tiny_config, wait_for
 
 pytestmark = pytest.mark.slow

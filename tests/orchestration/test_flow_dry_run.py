@@ -11,6 +11,7 @@ from specforge_core.config import RunConfig
 from specforge_core.data.prompt_cache import ensure_prompt_cache
 from specforge_core.data.tokenize import load_tokenizer
 from specforge_core.run.plan import PromptPlan
+from specforge_core.run.topology import Topology
 from tests.orchestration.conftest import tiny_config
 from tests.orchestration.test_flow import _task_states
 
@@ -38,7 +39,7 @@ def test_the_report_is_the_recorded_plan_over_the_prompt_caches_rows(dry, profil
     cfg = RunConfig.model_validate(profile)
     rows = len(ensure_prompt_cache(cfg, load_tokenizer(cfg)).rows("train"))  # the cache the flow built
     assert report["dataset"]["rows"] == rows
-    assert report["plan"]["key"] == PromptPlan.from_config(cfg, rows).key
+    assert report["plan"]["key"] == PromptPlan.from_config(cfg, rows, topology=Topology.from_config(cfg)).key
     assert report["tokens_per_micro_step_per_rank"]["basis"] == "plan and row lengths"
     assert report["topology"]["world_size"] == cfg.deployment.world_size
 

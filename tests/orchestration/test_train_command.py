@@ -1,17 +1,17 @@
-"""tasks/training.py: where a flow run trains, what it records there, and the per-node torchrun command."""
+"""tasks/train_stage.py: where a flow run trains, what it records there, and the per-node torchrun command."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
-from specforge_core.config import RunConfig
+from specforge_core.config import RunConfig, config_from_dict
 import json
 
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import RunManifest
 from tasks.caching import StageOutput
-from tasks.training import record_run, run_dir_for, torchrun_command
+from tasks.train_stage import record_run, run_dir_for, torchrun_command
 
 
 def _cmd(monkeypatch, prefix: str = "", **deployment) -> list[str]:
@@ -66,7 +66,7 @@ def test_the_manifest_records_each_resolved_input_and_the_run_directory(tmp_path
     assert (manifest.prompt_cache.key, manifest.prompt_cache.path) == ("c" * 64, "/cache/prompts/ccc")
     assert (manifest.vocab_map.key, manifest.vocab_map.path) == ("w" * 64, "/cache/vocab/vvv.pt")
     assert (manifest.plan.key, manifest.plan.path) == ("q" * 64, str(run.plan))
-    cfg = manifest.run_config()
+    cfg = config_from_dict(manifest.config)
     assert cfg.output.dir == str(run.root) and cfg.draft.vocab_map_path == "/cache/vocab/vvv.pt"
 
 

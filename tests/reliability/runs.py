@@ -23,8 +23,8 @@ from pathlib import Path
 import yaml
 from safetensors.torch import load_file
 
-from specforge_core.runtime.checkpoint import latest_checkpoint
-from specforge_core.runtime.metrics import METRICS_FILE
+from specforge_core.loop.checkpoint import latest_checkpoint
+from specforge_core.loop.metrics import METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 CRASHPOINT = Path(__file__).with_name("crashpoint.py")

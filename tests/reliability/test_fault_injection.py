@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from specforge_core.runtime.checkpoint import (
+from specforge_core.loop.checkpoint import (
     COMPLETE,
     checkpoints_dir,
     complete_checkpoints,

@@ -10,8 +10,8 @@ import socket
 
 import pytest
 
-from specforge_core.runtime.checkpoint import checkpoints_dir
-from specforge_core.runtime.run_lock import LOCK_NAME, read_holder
+from specforge_core.loop.checkpoint import checkpoints_dir
+from specforge_core.loop.run_lock import LOCK_NAME, read_holder
 
 from .runs import Run, alive, final_weights, losses, run_config, run_to_end, same_weights
 

@@ -19,6 +19,7 @@ from specforge_core.capture.sglang_args import SGLangEngineArgs
 from specforge_core.config import RunConfig, config_from_dict, dump_config
 from specforge_core.errors import ConfigError
 from specforge_core.prepare import main as prepare_main
+from specforge_core.run.topology import Topology
 from tests.data.conftest import CHAT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,10 +85,10 @@ def test_no_code_turns_trust_remote_code_on_by_itself():
 def test_trust_remote_code_is_off_unless_the_config_sets_it():
     assert RunConfig().model.trust_remote_code is False
     cfg = RunConfig.model_validate({"model": {"target": "/m"}})
-    assert SGLangEngineArgs.resolve(cfg).kwargs()["trust_remote_code"] is False
-    assert "--trust-remote-code" not in SGLangEngineArgs.resolve(cfg).argv()
+    assert SGLangEngineArgs.resolve(cfg, Topology.from_config(cfg)).kwargs()["trust_remote_code"] is False
+    assert "--trust-remote-code" not in SGLangEngineArgs.resolve(cfg, Topology.from_config(cfg)).argv()
     on = RunConfig.model_validate({"model": {"target": "/m", "trust_remote_code": True}})
-    assert SGLangEngineArgs.resolve(on).kwargs()["trust_remote_code"] is True
+    assert SGLangEngineArgs.resolve(on, Topology.from_config(on)).kwargs()["trust_remote_code"] is True
 
 
 def shipped_text_files():

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from specforge_core.runtime.checkpoint import checkpoints_dir, complete_checkpoints, latest_checkpoint
+from specforge_core.loop.checkpoint import checkpoints_dir, complete_checkpoints, latest_checkpoint
 
 from .runs import Run, final_weights, losses, run_config, run_to_end, same_weights
 

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 from torch import nn
 
-from specforge_core.runtime.distributed import exit_after_success
+from specforge_core.system.distributed import exit_after_success
 
 
 def free_port() -> int:

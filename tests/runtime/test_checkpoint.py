@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from specforge_core.io import sha256_file
 from specforge_core.errors import CheckpointError, ResumeError
-from specforge_core.runtime.checkpoint import (
+from specforge_core.loop.checkpoint import (
     COMPLETE,
 
     check_resume,
@@ -23,8 +23,8 @@ from specforge_core.runtime.checkpoint import (
     save_checkpoint,
     verify_files,
 )
-from specforge_core.runtime.distributed import close_distributed, init_distributed
-from specforge_core.runtime.optim import DraftOptimizer, shard
+from specforge_core.system.distributed import close_distributed, init_distributed
+from specforge_core.loop.optim import DraftOptimizer, shard
 from tests.runtime.harness import TinyDraft, TinyStep, run_ranks, tiny_batch, write_draft_files
 
 CONTRACT = {"seed": 42, "world_size": 2, "plan": {"batch_size": 2, "accumulation_steps": 1}}
@@ -257,7 +257,7 @@ def test_tuples_and_lists_compare_equal_after_the_json_round_trip():
 def test_a_deletion_cut_short_never_leaves_a_complete_looking_checkpoint(one_rank_run, monkeypatch):
     run_dir, first, draft, opt = one_rank_run
     world = init_distributed("cpu", timeout_s=30)
-    import specforge_core.runtime.checkpoint as ckpt_mod
+    import specforge_core.loop.checkpoint as ckpt_mod
 
     def crash(path, *a, **k):  # the process dies right after the rename, before the files go
         raise KeyboardInterrupt

@@ -1,4 +1,4 @@
-"""runtime/compile.py: which passes torch.compile takes (training.compile) and where its caches go."""
+"""system/compile.py: which passes torch.compile takes (training.compile) and where its caches go."""
 
 import os
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specforge_core.config import load_config
-from specforge_core.runtime import compile as comp
+from specforge_core.system import compile as comp
 
 
 def _double(x):
@@ -87,7 +87,7 @@ def test_regions_compile_their_row_counts_symbolic_and_a_weight_given_as_input_c
 @pytest.mark.parametrize("compile", [False, True])
 def test_the_draft_builder_sets_fusion_from_training_compile(tiny_target_dir, compile):
     from specforge_core.drafts import get_family
-    from specforge_core.runtime.builder import build_draft
+    from specforge_core.launch.builder import build_draft
     from tests.drafts.eagle3.fixtures import hf_backend, random_vocab_map
 
     comp.use_fused(not compile)

@@ -11,8 +11,9 @@ import yaml
 
 from fixtures.gpu_targets import TARGET_CONFIGS, write_target_config
 from specforge_core.config import load_config
-from specforge_core.runtime.dry_run import GIB, DatasetSize, dry_run
+from specforge_core.launch.dry_run import GIB, DatasetSize, dry_run
 from specforge_core.train import main
+from specforge_core.run.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "examples" / "gpu").glob("*.yaml"))
@@ -227,7 +228,7 @@ def recorded_run(tmp_path_factory, tiny_target_dir):
     cfg = config_from_dict(config)
     cache = ensure_prompt_cache(cfg, load_tokenizer(cfg))
     vocab = ensure_vocab_map(cfg, cache, load_target_config(cfg).vocab_size)
-    plan = PromptPlan.from_config(cfg, len(cache.rows()))
+    plan = PromptPlan.from_config(cfg, len(cache.rows()), topology=Topology.from_config(cfg))
     plan_path = plan.save(root / "plan.json")
     manifest = RunManifest(config=dump_config(cfg), prompt_cache=Ref(cache.key, str(cache.path)),
                            plan=Ref(plan.key, str(plan_path)), vocab_map=Ref(vocab.key, str(vocab.path)))

@@ -1,6 +1,6 @@
 """``exit_after_success``: a finished rank ends with exit code 0 and loses nothing it printed or logged.
 
-runtime/distributed.py says why the function leaves through ``os._exit`` (a gloo worker thread can
+system/distributed.py says why the function leaves through ``os._exit`` (a gloo worker thread can
 abort a finished rank at the interpreter's teardown). That race itself is not tested here: it hits
 about one 2-rank FSDP launch in four on this machine, so catching it reliably takes some ten
 launches of two fresh torch processes (tens of seconds); the torchrun tests (test_train_cli.py)
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import atexit, logging, logging.handlers, sys
-from specforge_core.runtime.distributed import exit_after_success
+from specforge_core.system.distributed import exit_after_success
 
 log_file = logging.FileHandler(sys.argv[1])
 buffered = logging.handlers.MemoryHandler(capacity=100, target=log_file)  # holds records until flushed

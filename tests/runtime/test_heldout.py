@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from fixtures.chitchat import write_chitchat_jsonl
 from specforge_core.config import config_from_dict
 from specforge_core.errors import ConfigError
-from specforge_core.runtime.checkpoint import latest_checkpoint
-from specforge_core.runtime.distributed import close_distributed, init_distributed
-from specforge_core.runtime.heldout import heldout_prompt_ids
+from specforge_core.loop.checkpoint import latest_checkpoint
+from specforge_core.system.distributed import close_distributed, init_distributed
+from specforge_core.launch.heldout import heldout_prompt_ids
 from tests.runtime.harness import run_ranks
 from tests.runtime.test_time_budget import records
 from tests.runtime.test_train_cli import ROOT

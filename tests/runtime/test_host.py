@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from specforge_core.runtime.host import keep_freed_memory, prefer_passive_omp_wait
+from specforge_core.system.host import keep_freed_memory, prefer_passive_omp_wait
 
 
 def test_passive_omp_wait_is_the_default_but_a_users_policy_stands(monkeypatch):

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from specforge_core.runtime.distributed import Dist, close_distributed, init_distributed
-from specforge_core.runtime.metrics import METRICS_FILE, MetricsLogger, format_line
+from specforge_core.system.distributed import Dist, close_distributed, init_distributed
+from specforge_core.loop.metrics import METRICS_FILE, MetricsLogger, format_line
 from tests.runtime.harness import run_ranks
 
 

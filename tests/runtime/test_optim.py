@@ -5,9 +5,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from specforge_core.runtime.distributed import close_distributed, init_distributed
-from specforge_core.runtime.optim import DraftOptimizer, shard
-from specforge_core.runtime.schedule import build_scheduler
+from specforge_core.system.distributed import close_distributed, init_distributed
+from specforge_core.loop.optim import DraftOptimizer, shard
+from specforge_core.loop.schedule import build_scheduler
 from tests.runtime.harness import TinyDraft, TinyStep, run_ranks, tiny_batch
 
 STEPS = 4

@@ -6,7 +6,7 @@ import sys
 import yaml
 
 from fixtures.chitchat import write_chitchat_jsonl
-from specforge_core.runtime.checkpoint import latest_checkpoint, read_train_state
+from specforge_core.loop.checkpoint import latest_checkpoint, read_train_state
 
 from .test_train_cli import ROOT
 

@@ -161,5 +161,5 @@ def test_a_dataset_smaller_than_one_optimizer_step_is_refused():
 
 def test_plan_from_config_reads_training_and_deployment():
     cfg = load_config(None, ["capture.tp_size=2", "deployment.nproc_per_node=4", "training.batch_size=2"])
-    p = PromptPlan.from_config(cfg, dataset_size=40)
+    p = PromptPlan.from_config(cfg, dataset_size=40, topology=Topology.from_config(cfg))
     assert (p.world_size, p.tp_size, p.num_islands, p.batch_size) == (4, 2, 2, 2)

@@ -17,7 +17,7 @@ from specforge_core.config import load_config
 from specforge_core.errors import CaptureError, DataError
 from specforge_core.run.topology import Topology
 from specforge_core.run.plan import IslandBatch, PromptPlan
-from specforge_core.runtime.rollout import RolloutStream
+from specforge_core.loop.rollout import RolloutStream
 
 
 class CountingRows(list):
@@ -48,7 +48,8 @@ def backends(tiny_target_dir):
         f"model.target={tiny_target_dir}", "capture.backend=sglang", "data.max_length=256", "model.dtype=float32",
         "capture.tp_size=2", "deployment.nproc_per_node=2", "training.batch_size=2",
     ])
-    return [build_capture_backend(cfg, rank=r, engine_factory=FakeSGLangEngine.start) for r in range(2)]
+    return [build_capture_backend(cfg, rank=r, topology=Topology.from_config(cfg),
+                                  engine_factory=FakeSGLangEngine.start) for r in range(2)]
 
 
 def plan(**kw) -> PromptPlan:
@@ -249,7 +250,7 @@ def test_a_datasets_dataset_works_as_the_rows(backends):
 
 def test_the_runtime_does_not_import_datasets():
     code = (
-        "import sys, specforge_core.runtime.rollout, specforge_core.capture.hf, specforge_core.capture.sglang_backend;"
+        "import sys, specforge_core.loop.rollout, specforge_core.capture.hf, specforge_core.capture.sglang_backend;"
         "assert 'datasets' not in sys.modules, 'datasets was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

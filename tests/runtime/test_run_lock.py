@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from specforge_core.runtime.run_lock import LOCK_NAME, RunBusyError, RunLock, read_holder
+from specforge_core.loop.run_lock import LOCK_NAME, RunBusyError, RunLock, read_holder
 
 
 def dead_pid() -> int:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specforge_core.errors import ConfigError
-from specforge_core.runtime.schedule import build_scheduler, lr_multiplier, warmup_steps
+from specforge_core.loop.schedule import build_scheduler, lr_multiplier, warmup_steps
 
 
 def test_warmup_truncates_ratio_times_horizon():

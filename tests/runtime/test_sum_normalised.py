@@ -9,9 +9,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch import nn
 
-from specforge_core.runtime.distributed import close_distributed, init_distributed
-from specforge_core.runtime.optim import DraftOptimizer, shard
-from specforge_core.runtime.trainer import sum_loss_grad_scale
+from specforge_core.system.distributed import close_distributed, init_distributed
+from specforge_core.loop.optim import DraftOptimizer, shard
+from specforge_core.loop.trainer import sum_loss_grad_scale
 from tests.runtime.harness import TinyDraft, run_ranks
 
 STEPS, HYPER = 3, dict(learning_rate=1e-2, weight_decay=0.0, max_grad_norm=10.0, warmup_ratio=0.0, lr_scheduler="constant")

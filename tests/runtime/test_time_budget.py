@@ -16,12 +16,13 @@ import torch
 from specforge_core.config import config_from_dict
 from specforge_core.errors import ConfigError, ResumeError
 from specforge_core.run.plan import PromptPlan
-from specforge_core.runtime.budget import TrainClock, budget_progress
-from specforge_core.runtime.checkpoint import complete_checkpoints, latest_checkpoint, read_train_state
-from specforge_core.runtime.distributed import close_distributed, init_distributed
-from specforge_core.runtime.metrics import METRICS_FILE
-from specforge_core.runtime.schedule import progress_multiplier
-from specforge_core.runtime.trainer import training_contract
+from specforge_core.loop.budget import TrainClock, budget_progress
+from specforge_core.loop.checkpoint import complete_checkpoints, latest_checkpoint, read_train_state
+from specforge_core.system.distributed import close_distributed, init_distributed
+from specforge_core.loop.metrics import METRICS_FILE
+from specforge_core.loop.schedule import progress_multiplier
+from specforge_core.loop.trainer import training_contract
+from specforge_core.run.topology import Topology
 from tests.runtime.harness import run_ranks
 from tests.runtime.test_trainer import build_trainer, make_config
 
@@ -190,7 +191,7 @@ def test_adding_a_budget_to_a_run_trained_without_one_is_refused(world_of_one, t
 
 def test_without_a_budget_the_contract_is_what_it_was(tiny_target_dir, tmp_path):
     cfg = make_config(tiny_target_dir, tmp_path, world_size=1)
-    contract = training_contract(cfg, PromptPlan.from_config(cfg, 24), prompt_cache="c", vocab_map=None,
+    contract = training_contract(cfg, PromptPlan.from_config(cfg, 24, topology=Topology.from_config(cfg)), prompt_cache="c", vocab_map=None,
                                  target="t", draft_config={})
     assert "time_budget_s" not in contract["optimization"]
 

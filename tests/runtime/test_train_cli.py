@@ -20,10 +20,10 @@ from specforge_core.config import load_config
 from fixtures.chitchat import write_chitchat_jsonl
 from specforge_core.errors import ConfigError
 from specforge_core.run.plan import PromptPlan
-from specforge_core.runtime.checkpoint import checkpoints_dir, latest_checkpoint
-from specforge_core.runtime.metrics import METRICS_FILE
+from specforge_core.loop.checkpoint import checkpoints_dir, latest_checkpoint
+from specforge_core.loop.metrics import METRICS_FILE
 from specforge_core.run.topology import Topology
-from specforge_core.runtime.builder import check_recorded_plan
+from specforge_core.launch.builder import check_plan_against_config
 from specforge_core.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,12 +159,12 @@ def test_world_size_other_than_the_config_is_refused_naming_the_field(workdir, t
 
 def test_recorded_plan_of_another_config_is_refused(workdir, tiny_target_dir, tmp_path):
     cfg = load_config(write_config(workdir, "plan", tiny_target_dir))
-    PromptPlan.from_config(cfg, 40).save(tmp_path / "plan.json")
+    PromptPlan.from_config(cfg, 40, topology=Topology.from_config(cfg)).save(tmp_path / "plan.json")
     other = load_config(write_config(workdir, "plan", tiny_target_dir, training={"seed": 7}))
     recorded = PromptPlan.load(tmp_path / "plan.json")
     with pytest.raises(ConfigError, match="seed: 42 → 7"):
-        check_recorded_plan(other, recorded, Topology.from_config(other), 40, str(tmp_path / "plan.json"))
-    check_recorded_plan(cfg, recorded, Topology.from_config(cfg), 40, str(tmp_path / "plan.json"))
+        check_plan_against_config(other, recorded, Topology.from_config(other), 40, str(tmp_path / "plan.json"))
+    check_plan_against_config(cfg, recorded, Topology.from_config(cfg), 40, str(tmp_path / "plan.json"))
 
 
 # --- the real model ---------------------------------------------------------------------------------

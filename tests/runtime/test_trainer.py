@@ -17,11 +17,12 @@ from specforge_core.capture import build_capture_backend
 from specforge_core.config import config_from_dict
 from specforge_core.errors import ResumeError
 from specforge_core.run.plan import PromptPlan
-from specforge_core.runtime.checkpoint import latest_checkpoint
-from specforge_core.runtime.distributed import close_distributed, init_distributed
-from specforge_core.runtime.metrics import METRICS_FILE
-from specforge_core.runtime.rollout import RolloutStream
-from specforge_core.runtime.trainer import Trainer, directory_identity, training_contract
+from specforge_core.loop.checkpoint import latest_checkpoint
+from specforge_core.system.distributed import close_distributed, init_distributed
+from specforge_core.loop.metrics import METRICS_FILE
+from specforge_core.loop.rollout import RolloutStream
+from specforge_core.loop.trainer import Trainer, directory_identity, training_contract
+from specforge_core.run.topology import Topology
 from tests.runtime.harness import run_ranks, write_draft_files
 
 ROWS = 24  # world 2 × batch 2 × accumulation 2 = 8 prompts per step → 3 steps per epoch, 6 in all
@@ -97,7 +98,7 @@ def build_trainer(d, cfg, crash_at=None, heldout=None):
     if crash_at is not None:
         backend = CrashingBackend(backend, crash_at)
     rows = make_rows()
-    plan = PromptPlan.from_config(cfg, len(rows))
+    plan = PromptPlan.from_config(cfg, len(rows), topology=Topology.from_config(cfg))
     torch.manual_seed(cfg.training.seed)
     draft = ProbeDraft(backend.embed_weight.detach())
     contract = training_contract(cfg, plan, prompt_cache="rows-0", vocab_map="none", target="tiny", draft_config={})

@@ -4,7 +4,7 @@ One clean anchor token plus B-1 MASK tokens are denoised in one draft forward, c
 target's captured layers injected as keys/values into every draft layer.
 """
 
-from specforge_core.drafts.dflash.config import (
+from specforge_core.drafts.dflash.draft_config import (
     build_target_layer_ids,
     check_dflash_config,
     check_fits_target,
@@ -14,7 +14,7 @@ from specforge_core.drafts.dflash.config import (
     resolve_mask_token_id,
     save_dflash_config,
 )
-from specforge_core.drafts.dflash.decoding import DFlashDrafter
+from specforge_core.drafts.dflash.drafter import DFlashDrafter
 from specforge_core.drafts.dflash.serving import (
     check_serving_state,
     export_dflash,

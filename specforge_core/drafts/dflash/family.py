@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from specforge_core.capture.target_info import text_config
-from specforge_core.drafts.dflash import config as configs
+from specforge_core.drafts.dflash import draft_config as configs
 from specforge_core.drafts.dflash import serving
 from specforge_core.drafts.dflash.model import DFlashDraftModel
 from specforge_core.drafts.dflash.objective import dflash_loss, summarize_dflash_metrics
@@ -155,7 +155,7 @@ class DFlashFamily:
         return draft.to(target_model.device).eval()
 
     def drafter(self, draft, target_model):
-        from specforge_core.drafts.dflash.decoding import DFlashDrafter
+        from specforge_core.drafts.dflash.drafter import DFlashDrafter
 
         return DFlashDrafter(draft, embed_weight=target_model.get_input_embeddings().weight,
                              lm_head_weight=target_model.get_output_embeddings().weight)

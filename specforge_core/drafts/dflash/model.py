@@ -34,7 +34,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from specforge_core.drafts.dflash.config import check_dflash_config, mask_token_id_of, target_layer_ids_of
+from specforge_core.drafts.dflash.draft_config import check_dflash_config, mask_token_id_of, target_layer_ids_of
 from specforge_core.errors import ModelError
 
 Attend = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -122,7 +122,7 @@ class DFlashDecoderLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
-    """The DFlash draft: Qwen3-style layers over the target's token embedding, conditioned on K captured target layers. ``config``: a DFlash ``Qwen3Config`` (``drafts.dflash.config``).
+    """The DFlash draft: Qwen3-style layers over the target's token embedding, conditioned on K captured target layers. ``config``: a DFlash ``Qwen3Config`` (``drafts.dflash.draft_config``).
 
     Attributes: ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``layer_types``,
     ``sliding_window`` (None without sliding layers). Every parameter is trainable; the rotary

@@ -22,12 +22,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from specforge_core.drafts.dflash.config import dflash_config_from_dict, dflash_config_to_dict, target_layer_ids_of
+from specforge_core.drafts.dflash.draft_config import dflash_config_from_dict, dflash_config_to_dict, target_layer_ids_of
 from specforge_core.drafts.dflash.model import DFlashDraftModel
 from specforge_core.errors import CheckpointError, ModelError
 from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_directory
-from specforge_core.runtime.checkpoint import DRAFT_CONFIG as CHECKPOINT_CONFIG
-from specforge_core.runtime.checkpoint import DRAFT_WEIGHTS as CHECKPOINT_WEIGHTS
+from specforge_core.loop.checkpoint import DRAFT_CONFIG as CHECKPOINT_CONFIG
+from specforge_core.loop.checkpoint import DRAFT_WEIGHTS as CHECKPOINT_WEIGHTS
 
 EXPORT_CONFIG, EXPORT_WEIGHTS = "config.json", "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -39,7 +39,7 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 from specforge_core.drafts.eagle3.flash import MergedOutput, SampleSpans, step_zero_flash
 from specforge_core.drafts.eagle3.rows import take_rows
 from specforge_core.errors import ConfigError
-from specforge_core.runtime.compile import fused
+from specforge_core.system.compile import fused
 
 BACKENDS = ("auto", "sdpa", "flex", "flash")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)

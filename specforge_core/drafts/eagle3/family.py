@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from specforge_core.capture.target_info import resolve_capture_layers, text_config
-from specforge_core.drafts.eagle3 import config as configs
+from specforge_core.drafts.eagle3 import draft_config as configs
 from specforge_core.drafts.eagle3 import serving
 from specforge_core.drafts.eagle3.metric_sums import summarize_metrics
 from specforge_core.drafts.eagle3.model import Eagle3DraftModel
@@ -148,7 +148,7 @@ class Eagle3Family:
         return draft.to(target_model.device).eval()
 
     def drafter(self, draft, target_model):
-        from specforge_core.drafts.eagle3.decoding import DraftRunner
+        from specforge_core.drafts.eagle3.drafter import DraftRunner
 
         return DraftRunner(draft)
 

@@ -1,6 +1,6 @@
 """The EAGLE3 draft model: one Llama decoder layer fed by the target's captured hidden states.
 
-    from specforge_core.drafts.eagle3.config import draft_config_from_target
+    from specforge_core.drafts.eagle3.draft_config import draft_config_from_target
     from specforge_core.drafts.eagle3.model import Eagle3DraftModel
     draft = Eagle3DraftModel(draft_config_from_target(target_cfg, draft_vocab_size=32000))
     draft.load_embedding(target.get_input_embeddings().weight)    # frozen copy
@@ -43,7 +43,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from specforge_core.errors import ModelError
-from specforge_core.drafts.eagle3.config import NUM_AUX_HIDDEN_STATES
+from specforge_core.drafts.eagle3.draft_config import NUM_AUX_HIDDEN_STATES
 from specforge_core.drafts.eagle3.rows import take_parts, take_rows
 
 EMBEDDING_KEY = "embed_tokens.weight"
@@ -111,7 +111,7 @@ class Eagle3DecoderLayer(nn.Module):
     serving order: the concatenated input through ``q/k/v_proj``.
 
     ``compiled_regions``: the two halves around the attention, each one ``torch.compile`` region
-    with ``training.compile`` on CUDA (``runtime.compile.compile_pointwise``)."""
+    with ``training.compile`` on CUDA (``system.compile.compile_pointwise``)."""
 
     compiled_regions = ("project_qkv", "complete")
 

@@ -35,7 +35,7 @@ from specforge_core.drafts.eagle3 import vocab_kernels
 from specforge_core.drafts.eagle3.rows import take_parts, take_rows
 from specforge_core.drafts.eagle3.teacher import compute_teacher, softmax_from_lse
 from specforge_core.errors import ModelError
-from specforge_core.runtime.compile import fused
+from specforge_core.system.compile import fused
 
 REQUIRED_FIELDS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "last_hidden")
 

@@ -21,7 +21,7 @@ shape for every ``take_rows``).
 
 import torch
 
-from specforge_core.runtime.compile import fused
+from specforge_core.system.compile import fused
 
 
 class _TakeRows(torch.autograd.Function):

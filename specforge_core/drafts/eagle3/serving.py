@@ -29,9 +29,9 @@ from safetensors.torch import save
 
 from specforge_core.errors import CheckpointError, ModelError
 from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_directory
-from specforge_core.runtime.checkpoint import DRAFT_CONFIG as CHECKPOINT_CONFIG
-from specforge_core.runtime.checkpoint import DRAFT_WEIGHTS as CHECKPOINT_WEIGHTS
-from specforge_core.drafts.eagle3.config import (
+from specforge_core.loop.checkpoint import DRAFT_CONFIG as CHECKPOINT_CONFIG
+from specforge_core.loop.checkpoint import DRAFT_WEIGHTS as CHECKPOINT_WEIGHTS
+from specforge_core.drafts.eagle3.draft_config import (
     capture_layer_ids_of,
     draft_config_from_dict,
     serving_config_dict,

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from specforge_core.drafts.eagle3.config import capture_layer_ids_of, serving_config_dict, vllm_layer_ids
+from specforge_core.drafts.eagle3.draft_config import capture_layer_ids_of, serving_config_dict, vllm_layer_ids
 from specforge_core.drafts.eagle3.model import EMBEDDING_KEY, Eagle3DraftModel, read_target_embedding
 from specforge_core.drafts.eagle3.serving import DTYPES, check_serving_state
 from specforge_core.errors import CheckpointError, ModelError

@@ -3,7 +3,7 @@
 import torch
 from transformers import Qwen3Config
 
-from specforge_core.drafts.dflash.config import dflash_config_from_target
+from specforge_core.drafts.dflash.draft_config import dflash_config_from_target
 from specforge_core.drafts.dflash.model import DFlashDraftModel
 
 VOCAB, HIDDEN, MASK = 256, 64, 255

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specforge_core.drafts.dflash.config import (
+from specforge_core.drafts.dflash.draft_config import (
     build_target_layer_ids,
     check_fits_target,
     dflash_config_from_dict,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
-from specforge_core.drafts.dflash.decoding import DFlashDrafter
+from specforge_core.drafts.dflash.drafter import DFlashDrafter
 from specforge_core.drafts.dflash.model import dense_attend
 from specforge_core.drafts.dflash.objective import build_blocks, dense_masks
 from specforge_core.decoding.speculative import decode_batch

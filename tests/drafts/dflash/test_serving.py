@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specforge_core.drafts.dflash.config import dflash_config_from_target
+from specforge_core.drafts.dflash.draft_config import dflash_config_from_target
 from specforge_core.drafts.dflash.serving import (
     check_serving_state,
     export_dflash,

@@ -4,7 +4,7 @@ and the pieces a builder test needs around a tiny target directory."""
 import torch
 from transformers import LlamaConfig
 
-from specforge_core.drafts.eagle3.config import draft_config_from_target
+from specforge_core.drafts.eagle3.draft_config import draft_config_from_target
 from specforge_core.drafts.eagle3.model import Eagle3DraftModel
 
 V, VD = 24, 12

@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from specforge_core.errors import ModelError
-from specforge_core.drafts.eagle3.config import (
+from specforge_core.drafts.eagle3.draft_config import (
     check_capture_layer_ids,
     default_capture_layer_ids,
     draft_config_from_dict,

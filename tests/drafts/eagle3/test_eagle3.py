@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specforge_core.errors import ModelError
 from specforge_core.drafts.eagle3.serving import serving_keys
-from specforge_core.drafts.eagle3.config import draft_config_from_target
+from specforge_core.drafts.eagle3.draft_config import draft_config_from_target
 from specforge_core.drafts.eagle3.model import Eagle3DraftModel, read_target_embedding
 from specforge_core.drafts.eagle3.attention import step_zero_visibility
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft, tiny_target_config

@@ -17,7 +17,7 @@ from specforge_core.drafts.eagle3.serving import (
     serving_keys,
     warm_start_draft,
 )
-from specforge_core.drafts.eagle3.config import draft_config_from_dict
+from specforge_core.drafts.eagle3.draft_config import draft_config_from_dict
 from specforge_core.export import main
 from specforge_core.drafts.eagle3 import eagle3_loss
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft

@@ -34,7 +34,7 @@ def test_noise_is_bounded_per_layer_by_its_own_scale_and_leaves_padding_and_the_
 
 def test_the_objective_trains_on_noisy_features_only_when_asked_and_reproducibly(tiny_target_dir):
     """Built the way the trainer builds it: the family's objective from the run config."""
-    from specforge_core.runtime.builder import build_draft, build_objective
+    from specforge_core.launch.builder import build_draft, build_objective
     from tests.drafts.eagle3.fixtures import hf_backend, random_batch, random_vocab_map
 
     family = get_family("eagle3")

@@ -1,5 +1,5 @@
-"""The objective sharded as the trainer shards it (``runtime.optim.shard``): one FSDP2 unit over
-the trainer's root (``runtime.trainer.TrainStep``), whose forward runs the whole unroll, so every
+"""The objective sharded as the trainer shards it (``loop.optim.shard``): one FSDP2 unit over
+the trainer's root (``loop.trainer.TrainStep``), whose forward runs the whole unroll, so every
 parameter use (the draft's forward calls and the q/k/v weights the step folds once) falls inside
 it. A sharded draft gives the unsharded loss and gradients (2 gloo ranks on CPU)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specforge_core.drafts.eagle3 import eagle3_loss
-from specforge_core.runtime.distributed import exit_after_success
+from specforge_core.system.distributed import exit_after_success
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
 
 
@@ -18,9 +18,9 @@ def _sharded_worker(rank, world, port, queue):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from specforge_core.runtime.distributed import Dist
-    from specforge_core.runtime.optim import shard
-    from specforge_core.runtime.trainer import TrainStep
+    from specforge_core.system.distributed import Dist
+    from specforge_core.loop.optim import shard
+    from specforge_core.loop.trainer import TrainStep
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

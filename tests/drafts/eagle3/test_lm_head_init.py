@@ -5,7 +5,7 @@ import torch
 
 from specforge_core.config import load_config
 from specforge_core.drafts import get_family
-from specforge_core.runtime.builder import build_draft
+from specforge_core.launch.builder import build_draft
 from tests.drafts.eagle3.fixtures import hf_backend, random_vocab_map
 
 

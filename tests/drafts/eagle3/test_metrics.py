@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specforge_core.drafts.eagle3 import add_metric_sums, all_reduce_metric_sums, eagle3_loss, summarize_metrics
-from specforge_core.runtime.distributed import exit_after_success
+from specforge_core.system.distributed import exit_after_success
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
 
 

@@ -108,7 +108,7 @@ def test_a_batch_without_targets_has_zero_loss_and_zero_gradients():
 def test_fast_path_on_cuda_matches_reference(backend, compiled):
     """On GPU: fused loss kernels and flex attention (head_dim >= 16 for its kernels), with the
     decoder layer eager or compiled as ``training.compile`` compiles it."""
-    from specforge_core.runtime.compile import compile_pointwise
+    from specforge_core.system.compile import compile_pointwise
 
     draft = tiny_draft(seed=31, head_dim=32)
     if compiled:
@@ -128,7 +128,7 @@ def test_a_step_with_host_masks_never_waits_for_the_device(compiled, backend, dt
     fp32, or flash, its choice in bf16) reads nothing back from the device, so the host can launch
     it while the device still runs the previous step."""
     from specforge_core.capture.base import HostMasks
-    from specforge_core.runtime.compile import compile_pointwise
+    from specforge_core.system.compile import compile_pointwise
 
     draft = tiny_draft(seed=32, head_dim=32).cuda().cast_params(dtype)
     if compiled:

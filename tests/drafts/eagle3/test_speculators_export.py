@@ -11,7 +11,7 @@ from speculators import SpeculatorModel, SpeculatorModelConfig
 from speculators.models.eagle3 import Eagle3DraftModel as SpeculatorsEagle3, Eagle3SpeculatorConfig
 from transformers import AutoConfig, LlamaConfig
 
-from specforge_core.drafts.eagle3.config import capture_layer_ids_of, draft_config_from_target
+from specforge_core.drafts.eagle3.draft_config import capture_layer_ids_of, draft_config_from_target
 from specforge_core.drafts.eagle3.model import Eagle3DraftModel
 from specforge_core.drafts.eagle3.serving import save_draft_checkpoint_files
 from specforge_core.drafts.eagle3.speculators_format import speculators_key

@@ -28,9 +28,9 @@ What the numbers mean:
   ``peak_rss_bytes`` (CPU, since start); ``peak_staged_bytes``: the rollout stream's staged
   features; all maxima over ranks;
 - what the trainer adds (``extra``): ``train_seconds`` (the training clock at the step's update:
-  saves and held-out decodes left out, ``runtime/budget.py``), ``budget_fraction`` (with
+  saves and held-out decodes left out, ``loop/budget.py``), ``budget_fraction`` (with
   ``training.time_budget``: train_seconds / budget) and, on held-out steps, the held-out decode's
-  figures (``runtime/heldout.py``: ``heldout_acceptance_length``, ``heldout_accept_rate_i``, ...).
+  figures (``launch/heldout.py``: ``heldout_acceptance_length``, ``heldout_accept_rate_i``, ...).
 
 Window times leave out what the trainer marks with :meth:`MetricsLogger.exclude_time` (the
 held-out decodes), so ``samples_per_s`` and ``step_time_s`` are the training's own.
@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from specforge_core.run.metrics_file import METRICS_FILE, MetricsFile
-from specforge_core.runtime.distributed import Dist, all_reduce
+from specforge_core.system.distributed import Dist, all_reduce
 
 if TYPE_CHECKING:
-    from specforge_core.runtime.rollout import CaptureTime
+    from specforge_core.loop.rollout import CaptureTime
 
 MetricsRecord = dict[str, float | int]
 Subscriber = Callable[[MetricsRecord], None]
@@ -147,7 +147,7 @@ class MetricsLogger:
     ) -> None:
         """One micro-batch on this rank: objective sums, samples trained, seconds waited/captured,
         captures and the tokens they computed, the stream's peak staged bytes. ``capture_s`` is a
-        number or the stream's :class:`~specforge_core.runtime.rollout.CaptureTime` (device events,
+        number or the stream's :class:`~specforge_core.loop.rollout.CaptureTime` (device events,
         read at the flush: reading them now would make the host wait for the capture).
 
         ``sums`` values are numbers or tensors of any shape (e.g. one entry per unrolled step),

@@ -47,7 +47,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from specforge_core.errors import CheckpointError, ResumeError
 from specforge_core.io import atomic_write_text, fsync_dir, fsync_file, sha256_file, write_durably
 from specforge_core.run.directory import RunDir
-from specforge_core.runtime.distributed import Dist, all_gather_object, barrier
+from specforge_core.system.distributed import Dist, all_gather_object, barrier
 
 FORMAT_VERSION = 1
 DRAFT_CONFIG = "draft_config.json"

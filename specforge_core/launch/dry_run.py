@@ -11,7 +11,7 @@ tokenizer, weights, a GPU or other processes:
 1. config validation (``load_config`` made ``cfg``) and ``Topology.launched(cfg, W)``: ``--world N``
    is the number of ranks torchrun will start, and a number other than the config's
    ``deployment.nproc_per_node × nnodes`` is refused as every rank refuses it;
-2. preflight's :func:`~specforge_core.runtime.preflight.check_target_files` (the target's
+2. preflight's :func:`~specforge_core.launch.preflight.check_target_files` (the target's
    config.json and the given draft files): draft family and vocabulary, context headroom, TP heads,
    capture layers, layer ids SGLang can capture, a given draft config;
 3. the draft config the family generates (``family.draft_config``). A token id the family would
@@ -19,7 +19,7 @@ tokenizer, weights, a GPU or other processes:
    reported unresolved; id 0 stands in for it while sizing (which row is MASK changes no shape);
 4. the plan, ``PromptPlan.from_config(cfg, rows, topology=...)`` (a dataset smaller than one
    optimizer step is refused), compared with a recorded plan (``--plan``, a manifest's) by
-   ``check_recorded_plan``;
+   ``check_plan_against_config``;
 5. with ``capture.backend: sglang``: ``SGLangEngineArgs.resolve(cfg, topology)``; the pools SGLang
    0.5.14 would size on a GPU of ``gpu_bytes`` (the rule below), refused by ``check_engine_pools``
    as the engine start refuses them; the largest TP-wide batch through ``check_engine_request``.
@@ -116,12 +116,12 @@ class DatasetSize:
 def manifest_dataset(manifest, cfg, checked, world_size: int) -> DatasetSize:
     """The prompt cache a run manifest records, opened and checked as rank 0 of a ``world_size``-rank
     launch opens it (``builder.inputs_from_manifest``: each input's key, the recorded plan)."""
-    from specforge_core.runtime.builder import inputs_from_manifest
-    from specforge_core.runtime.distributed import Dist
+    from specforge_core.launch.builder import inputs_from_manifest
+    from specforge_core.system.distributed import Dist
 
-    Topology.launched(cfg, world_size)
+    topology = Topology.launched(cfg, world_size)
     rank0 = Dist(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), backend="none", mesh=None)
-    inputs = inputs_from_manifest(manifest, rank0, checked, cfg=cfg)
+    inputs = inputs_from_manifest(manifest, rank0, checked, cfg=cfg, topology=topology)
     return DatasetSize.of_prompt_cache(inputs.rows, manifest.prompt_cache.path)
 
 
@@ -213,8 +213,8 @@ def dry_run(cfg, dataset: DatasetSize, *, world_size: int | None = None, gpu_byt
     """Resolve and check the launch of ``cfg`` on ``world_size`` ranks (default: the config's) over
     ``dataset``; see the module docstring. ``checked``: preflight's ``check_target_files(cfg)`` when
     the caller ran it. Raises the launch's own SpecForgeError (field and fix) for a broken layout."""
-    from specforge_core.runtime.builder import check_recorded_plan
-    from specforge_core.runtime.preflight import check_target_files
+    from specforge_core.launch.builder import check_plan_against_config
+    from specforge_core.launch.preflight import check_target_files
 
     topology = Topology.launched(cfg, cfg.deployment.world_size if world_size is None else world_size)
     checked = checked or check_target_files(cfg)
@@ -225,7 +225,7 @@ def dry_run(cfg, dataset: DatasetSize, *, world_size: int | None = None, gpu_byt
                                        checked.layer_ids)
     plan = PromptPlan.from_config(cfg, dataset.rows, topology=topology)
     if plan_path is not None:
-        check_recorded_plan(cfg, PromptPlan.load(plan_path), topology, dataset.rows, plan_path)
+        check_plan_against_config(cfg, PromptPlan.load(plan_path), topology, dataset.rows, plan_path)
     tokens, widest_batch = _tokens_per_micro_step(cfg, plan, dataset)
     gpu = default_gpu_bytes() if gpu_bytes is None else int(gpu_bytes)
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from specforge_core.runtime.distributed import Dist, all_reduce
+from specforge_core.system.distributed import Dist, all_reduce
 
 
 def budget_progress(spent_s: float, budget_s: float, *, steps_done: int, total_steps: int) -> float:

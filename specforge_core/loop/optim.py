@@ -22,8 +22,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim import AdamW
 
-from specforge_core.runtime.distributed import Dist
-from specforge_core.runtime.schedule import build_scheduler
+from specforge_core.system.distributed import Dist
+from specforge_core.loop.schedule import build_scheduler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -59,7 +59,7 @@ class DraftOptimizer:
     is divided by ``accumulation_steps`` so a window's gradient is the mean over its micro-batches.
     ``optimizer`` and ``scheduler`` are public for checkpointing. The schedule runs over
     ``total_steps``, or with ``lr_by_progress`` over the progress given by :meth:`set_progress`
-    (a time budget: ``runtime/schedule.py``). ``fused`` (default: when every parameter is on
+    (a time budget: ``loop/schedule.py``). ``fused`` (default: when every parameter is on
     CUDA) picks the fused AdamW, which also applies the clipping inside its kernel.
     """
 

@@ -6,7 +6,7 @@
                       contract=contract, write_draft_files=write_draft_files)
     trainer.fit()       # resume (per training.resume) → train to the horizon or the budget → final save
 
-``python -m specforge_core.train`` builds these pieces from a run config (``runtime/builder.py``);
+``python -m specforge_core.train`` builds these pieces from a run config (``launch/builder.py``);
 this module knows no draft family: the ``objective(draft, batch) -> (loss, sums)`` computes the loss and the
 summable metric sums, ``derive(sums)`` turns reduced sums into named metrics.
 
@@ -18,16 +18,16 @@ released by dropping the last reference before the next capture, and the allocat
 
 When it stops: at the plan's horizon, or with ``training.time_budget`` at the first whole
 optimizer step whose update finds the budget spent, whichever comes first; the learning rate then
-follows the run's progress (``runtime/budget.py``: the larger of the budget's fraction spent and
+follows the run's progress (``loop/budget.py``: the larger of the budget's fraction spent and
 the horizon's fraction trained) instead of the step count. The training clock
 (``train_seconds`` in the metrics and the checkpoint) leaves out checkpoint saves and held-out
 decodes. With ``training.heldout.interval`` = N, every N steps and at the last one the ranks
-gather the draft's weights and rank 0 decodes a few held-out prompts (``runtime/heldout.py``);
+gather the draft's weights and rank 0 decodes a few held-out prompts (``launch/heldout.py``);
 the figures join that step's metrics record.
 
 What resume guarantees: the run continues from the newest complete checkpoint with the same
 weights, optimizer, schedule, RNG and data position (the stream skips the consumed prompts without
-capturing them) after :func:`~specforge_core.runtime.checkpoint.check_resume` has found the
+capturing them) after :func:`~specforge_core.loop.checkpoint.check_resume` has found the
 recorded contract equal to this run's — so the resumed run trains exactly what the uninterrupted
 one would have. A budgeted run resumes its clock from the checkpoint's ``train_seconds`` and
 its schedule from the checkpoint's scheduler state, and stops when the same total is spent; it is
@@ -50,8 +50,8 @@ from specforge_core.capture.base import CapturedBatch
 from specforge_core.config import RunConfig, dump_config
 from specforge_core.errors import ResumeError
 from specforge_core.run.plan import PromptPlan
-from specforge_core.runtime.budget import TrainClock, budget_progress
-from specforge_core.runtime.checkpoint import (
+from specforge_core.loop.budget import TrainClock, budget_progress
+from specforge_core.loop.checkpoint import (
     TRAIN_STATE,
     check_resume,
     latest_checkpoint,
@@ -59,10 +59,10 @@ from specforge_core.runtime.checkpoint import (
     read_train_state,
     save_checkpoint,
 )
-from specforge_core.runtime.distributed import Dist, broadcast_object
-from specforge_core.runtime.metrics import MetricsLogger
-from specforge_core.runtime.optim import DraftOptimizer, shard
-from specforge_core.runtime.rollout import RolloutStream
+from specforge_core.system.distributed import Dist, broadcast_object
+from specforge_core.loop.metrics import MetricsLogger
+from specforge_core.loop.optim import DraftOptimizer, shard
+from specforge_core.loop.rollout import RolloutStream
 
 Objective = Callable[[nn.Module, CapturedBatch], tuple[torch.Tensor, dict]]
 # rank 0's held-out decode: the draft's full weights (no frozen parameters) → figures for the metrics
@@ -153,7 +153,7 @@ def sum_loss_grad_scale(d: Dist, local_weight: float, accumulation_steps: int) -
     reduce averaged over the world, so the gradients hold Σ ∇(w·ℓ) / (A·W); one scalar all-reduce
     of this rank's Σ w gives the global weight. 0 (no update) when no position had weight.
     """
-    from specforge_core.runtime.distributed import all_reduce
+    from specforge_core.system.distributed import all_reduce
 
     total = all_reduce(d, [local_weight])[0]
     return accumulation_steps * d.world_size / total if total > 0 else 0.0

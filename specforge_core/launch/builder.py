@@ -1,8 +1,11 @@
 """Wire one rank's training run: resolve its inputs once, then build backend, draft, objective, trainer.
 
+    launch_rank(cfg, d, manifest=manifest)                       # python -m specforge_core.train
+    # which is:
+    topology = Topology.launched(cfg, d.world_size)              # the layout, resolved once
     checked = check_run_inputs(cfg)                              # preflight, reused below
-    inputs = inputs_from_manifest(manifest, d, checked)          # the flow resolved everything
-    inputs = resolve_inputs(cfg, d, checked, plan_path=None)     # a run started by hand
+    inputs = inputs_from_manifest(manifest, d, checked, cfg=cfg, topology=topology)  # the flow resolved everything
+    inputs = resolve_inputs(cfg, d, checked, topology)           # a run started by hand
     trainer, backend = build_training(cfg, d, inputs, checked)
     trainer.fit(); backend.close()
 
@@ -16,8 +19,12 @@ key, the plan record's sha256); nothing is re-hashed. By hand: rank 0 hashes the
 or finds the cache and the vocab map and broadcasts where they are; the other ranks open them
 there (never re-reading a source while rank 0 holds a collective); rank 0 records ``run.json``
 (fresh starts only: a resume writes nothing before its checks have passed).
-Either way the plan is compared once with the plan this config, data and world give.
+Either way the plan is compared once with the plan this config, data and launched topology give;
+from then on the plan carries the topology (``plan.topology``) to the capture backend and the
+rollout stream, and nothing derives it again.
 """
+
+import contextlib
 
 from dataclasses import dataclass
 from functools import partial
@@ -25,7 +32,7 @@ from typing import Any
 
 import torch
 
-from specforge_core.errors import ConfigError
+from specforge_core.errors import ConfigError, SpecForgeError
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import Ref, RunManifest
 from specforge_core.run.plan import PromptPlan
@@ -34,16 +41,15 @@ from specforge_core.run.topology import Topology
 
 @dataclass
 class RunInputs:
-    """What a rank trains from: resolved once per run."""
+    """What a rank trains from: resolved once per run (the plan carries the topology)."""
 
-    topology: Topology
     prompt_cache: Any  # data.prompt_cache.PromptCache
     rows: Any  # its train split as pyarrow rows (no datasets/pandas import on the ranks)
     vocab: Any | None  # data.vocab.VocabMap, or None for a family without a draft vocabulary
     plan: PromptPlan
 
 
-def check_recorded_plan(cfg, plan: PromptPlan, topology: Topology, dataset_size: int, where: str) -> None:
+def check_plan_against_config(cfg, plan: PromptPlan, topology: Topology, dataset_size: int, where: str) -> None:
     """The one plan comparison: the recorded plan must be the one this config, data and world give."""
     expected = PromptPlan.from_config(cfg, dataset_size, topology=topology)
     diffs = plan.differences(expected)
@@ -65,12 +71,12 @@ def _check_key(what: str, recorded: str, found: str, where: str) -> None:
         )
 
 
-def inputs_from_manifest(manifest: RunManifest, d, checked, *, cfg) -> RunInputs:
-    """Open the manifest's prompt cache, vocab map and plan by path; check each key once."""
+def inputs_from_manifest(manifest: RunManifest, d, checked, *, cfg, topology: Topology) -> RunInputs:
+    """Open the manifest's prompt cache, vocab map and plan by path; check each key once, and the
+    plan against the launch's ``topology``."""
     from specforge_core.data.prompt_cache import open_prompt_cache
     from specforge_core.data.vocab import load_vocab_map
 
-    topology = Topology.from_config(cfg, world_size=d.world_size)
     cache = open_prompt_cache(manifest.prompt_cache.path)
     _check_key("prompt cache", manifest.prompt_cache.key, cache.key, manifest.prompt_cache.path)
     vocab = None
@@ -83,20 +89,19 @@ def inputs_from_manifest(manifest: RunManifest, d, checked, *, cfg) -> RunInputs
     plan = PromptPlan.load(manifest.plan.path)
     _check_key("plan", manifest.plan.key, plan.key, manifest.plan.path)
     rows = cache.rows("train")
-    check_recorded_plan(cfg, plan, topology, len(rows), manifest.plan.path)
-    return RunInputs(topology, cache, rows, vocab, plan)
+    check_plan_against_config(cfg, plan, topology, len(rows), manifest.plan.path)
+    return RunInputs(cache, rows, vocab, plan)
 
 
-def resolve_inputs(cfg, d, checked, *, plan_path: str | None = None) -> RunInputs:
-    """Resolve a run started without a manifest (rank 0 builds or finds, the others open); on a
-    fresh start rank 0 records ``plan.json`` and ``run.json``."""
+def resolve_inputs(cfg, d, checked, topology: Topology, *, plan_path: str | None = None) -> RunInputs:
+    """Resolve a run started without a manifest (rank 0 builds or finds, the others open) for the
+    launch's ``topology``; on a fresh start rank 0 records ``plan.json`` and ``run.json``."""
     from specforge_core.config import dump_config
     from specforge_core.data.prompt_cache import ensure_prompt_cache, open_prompt_cache
     from specforge_core.data.vocab import ensure_vocab_map, load_vocab_map
-    from specforge_core.runtime.checkpoint import latest_checkpoint
-    from specforge_core.runtime.distributed import broadcast_object
+    from specforge_core.loop.checkpoint import latest_checkpoint
+    from specforge_core.system.distributed import broadcast_object
 
-    topology = Topology.from_config(cfg, world_size=d.world_size)
     family = checked.family
     found, error = None, None
     if d.is_main:
@@ -118,7 +123,7 @@ def resolve_inputs(cfg, d, checked, *, plan_path: str | None = None) -> RunInput
         plan = PromptPlan.from_config(cfg, len(rows), topology=topology)
     else:
         plan = PromptPlan.load(plan_path)
-        check_recorded_plan(cfg, plan, topology, len(rows), plan_path)
+        check_plan_against_config(cfg, plan, topology, len(rows), plan_path)
     if d.is_main and latest_checkpoint(run.root) is None:  # a fresh start; a resume changes no file
         if plan_path is None:
             plan.save(run.plan)
@@ -128,7 +133,7 @@ def resolve_inputs(cfg, d, checked, *, plan_path: str | None = None) -> RunInput
             plan=Ref(plan.key, str(plan_path or run.plan)),
             vocab_map=None if vocab is None else Ref(vocab.key, str(vocab.path)),
         ).save(run.manifest)
-    return RunInputs(topology, cache, rows, vocab, plan)
+    return RunInputs(cache, rows, vocab, plan)
 
 
 def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config=None):
@@ -147,7 +152,7 @@ def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config
         with torch.device(backend.device):
             draft = family.new_draft(draft_config)
     family.attach_target(cfg, draft, backend, vocab, fresh=not cfg.draft.init_from)
-    from specforge_core.runtime.compile import compile_pointwise, use_fused
+    from specforge_core.system.compile import compile_pointwise, use_fused
 
     use_fused(cfg.training.compile)
     if cfg.training.compile and backend.device.type == "cuda":
@@ -163,12 +168,12 @@ def build_objective(cfg, family, backend):
 def build_training(cfg, d, inputs: RunInputs, checked):
     """Backend, draft, objective and trainer of this rank; returns ``(trainer, backend)``."""
     from specforge_core.capture import build_capture_backend
-    from specforge_core.runtime.rollout import RolloutStream
-    from specforge_core.runtime.trainer import Trainer, directory_identity, training_contract
+    from specforge_core.loop.rollout import RolloutStream
+    from specforge_core.loop.trainer import Trainer, directory_identity, training_contract
 
     family = checked.family
     backend = build_capture_backend(
-        cfg, rank=d.rank, local_rank=d.local_rank, topology=inputs.topology,
+        cfg, rank=d.rank, local_rank=d.local_rank, topology=inputs.plan.topology,
         target_config=checked.target_config, layer_ids=checked.layer_ids, last_hidden=family.captures_last_hidden,
     )
     draft_config = checked.draft_config  # preflight made (and checked) it
@@ -186,7 +191,7 @@ def build_training(cfg, d, inputs: RunInputs, checked):
     plan, rows, budget = inputs.plan, inputs.rows, cfg.training.token_budget
     heldout = None
     if cfg.training.heldout.interval:
-        from specforge_core.runtime.heldout import HeldOutDecoder, heldout_prompt_ids
+        from specforge_core.launch.heldout import HeldOutDecoder, heldout_prompt_ids
 
         prompts = heldout_prompt_ids(inputs.prompt_cache.rows("eval"), cfg.training.heldout.num_prompts)
         heldout = HeldOutDecoder(cfg, family, draft_config, prompts) if d.is_main else None
@@ -205,3 +210,47 @@ def build_training(cfg, d, inputs: RunInputs, checked):
         heldout=heldout,
     )
     return trainer, backend
+
+
+@contextlib.contextmanager
+def hold_run_lock(cfg, d):
+    """Rank 0 holds ``<output.dir>/RUN.lock`` for the run; every rank fails if it cannot."""
+    from specforge_core.system.distributed import broadcast_object
+    from specforge_core.loop.run_lock import RunLock
+
+    lock, error = None, None
+    if d.is_main:
+        try:
+            lock = RunLock(cfg.output.dir, wait_s=None if cfg.output.on_busy == "fail" else float("inf")).acquire()
+            if lock.took_over is not None:
+                print(f"took over the stale lock of {lock.took_over.describe()}", flush=True)
+        except SpecForgeError as e:
+            error = e
+    error = broadcast_object(d, error)
+    if error is not None:
+        raise error
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def launch_rank(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
+    """Preflight, resolve, build and fit on this rank (collective: every rank calls it). The
+    topology is resolved here, once, from the launch; the recorded plan is checked against it."""
+    from specforge_core.launch.preflight import check_run_inputs
+    from specforge_core.system.compile import compile_cache
+
+    topology = Topology.launched(cfg, d.world_size)  # torchrun's world must be the config's
+    checked = check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
+    with hold_run_lock(cfg, d), compile_cache(RunDir(cfg.output.dir).compile_cache):
+        if manifest is not None:
+            inputs = inputs_from_manifest(manifest, d, checked, cfg=cfg, topology=topology)
+        else:
+            inputs = resolve_inputs(cfg, d, checked, topology, plan_path=plan_path)
+        trainer, backend = build_training(cfg, d, inputs, checked)
+        try:
+            trainer.fit()
+        finally:
+            backend.close()

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from specforge_core.runtime.device import resolve_device
+from specforge_core.system.device import resolve_device
 from specforge_core.errors import ConfigError
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -43,7 +43,7 @@ from specforge_core.errors import ResumeError
 from specforge_core.io import atomic_write_text
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import Ref, RunManifest
-from specforge_core.runtime.checkpoint import checkpoint_step, contract_differences, latest_checkpoint, read_train_state
+from specforge_core.loop.checkpoint import checkpoint_step, contract_differences, latest_checkpoint, read_train_state
 from tasks.caching import StageOutput, content_key
 from tasks.process_group import kill_recorded_tree, run_process_group
 
@@ -73,7 +73,7 @@ def torchrun_command(config: RunConfig, manifest_path: Path, rdzv_id: str) -> li
     return prefix + cmd
 
 
-def check_recorded_plan(ckpt: Path, plan_path: Path) -> None:
+def check_checkpoint_plan(ckpt: Path, plan_path: Path) -> None:
     """Fail before launching if the checkpoint this run would resume was trained under another plan
     (the same comparison the trainer's resume check makes, on the plan part of the contract)."""
     recorded = (read_train_state(ckpt).get("contract") or {}).get("plan")
@@ -113,11 +113,11 @@ def record_run(config: RunConfig, run: RunDir, cache: StageOutput, vocab: StageO
 
 @task(name="dry_run")
 def dry_run_layout(config: RunConfig, prompt_cache: StageOutput, plan: StageOutput) -> dict:
-    """Check and show the layout train would launch (runtime/dry_run.py), on the recorded inputs; launch nothing."""
+    """Check and show the layout train would launch (launch/dry_run.py), on the recorded inputs; launch nothing."""
     from prefect.artifacts import create_markdown_artifact
 
     from specforge_core.data.prompt_cache import open_prompt_cache
-    from specforge_core.runtime.dry_run import DatasetSize, dry_run
+    from specforge_core.launch.dry_run import DatasetSize, dry_run
 
     rows = open_prompt_cache(prompt_cache.path).rows("train")
     report = dry_run(config, DatasetSize.of_prompt_cache(rows, prompt_cache.path), plan_path=plan.path)
@@ -150,7 +150,7 @@ def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput |
     resumed_from = None
     ckpt = latest_checkpoint(run.root)
     if ckpt is not None:
-        check_recorded_plan(ckpt, run.plan)
+        check_checkpoint_plan(ckpt, run.plan)
         resumed_from = checkpoint_step(ckpt)
         logger.info("resuming from %s (optimizer step %d of %d)", ckpt, resumed_from,
                     plan.facts["total_optimizer_steps"])

@@ -1,7 +1,7 @@
 """A small held-out decode while the draft trains: the serving figure next to the training one.
 
     decode = HeldOutDecoder(cfg, family, draft_config, heldout_prompt_ids(rows_eval, 8))   # the builder
-    figures = decode(full_state)   # rank 0, every training.heldout.interval steps (runtime/trainer.py)
+    figures = decode(full_state)   # rank 0, every training.heldout.interval steps (loop/trainer.py)
 
 It measures what ``python -m specforge_core.evaluate`` measures (``decoding.measure.measure_acceptance``:
 chain drafting of k = ``validation.num_steps`` tokens per round, greedy verification by the HF

@@ -1,6 +1,6 @@
 """EAGLE3 draft configurations: generated from a target config, or read from a draft JSON.
 
-    from specforge_core.drafts.eagle3.config import draft_config_from_target
+    from specforge_core.drafts.eagle3.draft_config import draft_config_from_target
     cfg = draft_config_from_target(AutoConfig.from_pretrained(target_dir), draft_vocab_size=32000)
 
 A draft config is a transformers ``LlamaConfig`` with one decoder layer and the EAGLE3 fields

@@ -1,6 +1,6 @@
 """DFlash draft configurations: generated from a target config, validated, read and written as JSON.
 
-    from specforge_core.drafts.dflash.config import dflash_config_from_target, resolve_mask_token_id
+    from specforge_core.drafts.dflash.draft_config import dflash_config_from_target, resolve_mask_token_id
     mask = resolve_mask_token_id(None, tokenizer, vocab_size=target_cfg.vocab_size)
     cfg = dflash_config_from_target(target_cfg, block_size=16, num_layers=1, mask_token_id=mask)
 

@@ -6,7 +6,7 @@ learning rate rises linearly from 0 over ``int(warmup_ratio · horizon)`` steps,
 cosine down to 0 at the horizon (``cosine``) or stays at the peak (``constant``). The multiplier for
 step s is the one applied by the (s+1)-th optimizer step, as ``LambdaLR`` counts.
 
-By progress (a budgeted run, ``runtime/budget.py``): the same curve over a progress p ∈ [0, 1]
+By progress (a budgeted run, ``loop/budget.py``): the same curve over a progress p ∈ [0, 1]
 instead of steps: linear warm-up over p < ``warmup_ratio`` (no truncation: the ratio is a fraction
 of the budget, not a step count), then the half cosine from ``warmup_ratio`` to 1 (or the peak,
 ``constant``). The trainer sets p before each update (:class:`ProgressMultiplier`); p = 1 gives 0

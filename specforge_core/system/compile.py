@@ -1,6 +1,6 @@
 """``torch.compile`` where it pays in the training step, and where its caches live.
 
-    from specforge_core.runtime.compile import compile_pointwise, compile_target, fused, use_fused, compile_cache
+    from specforge_core.system.compile import compile_pointwise, compile_target, fused, use_fused, compile_cache
     compile_target(target.model)         # the hf backend does this with training.compile on CUDA
     compile_pointwise(draft)             # python -m specforge_core.train does this likewise
     loss = fused(fn, logits.device)(logits, ...)   # the EAGLE3 unroll's memory-bound passes
