@@ -23,8 +23,11 @@ trainer resumes from the latest one; a new flow run starts a new directory. The 
 prompt cache and plan, logged and published as the ``dry-run`` artifact; nothing is launched.
 
 Several nodes: ``deployment.nnodes > 1`` with ``deployment.rdzv_endpoint`` gives a c10d rendezvous
-command, and ``SPECFORGE_LAUNCH_PREFIX`` (e.g. ``srun --nodes=4 --ntasks-per-node=1``) starts it once
-per node; docs/deploy.md has the Slurm and JobSet recipes.
+command, and ``deployment.launcher: <name>`` puts the worker operator's launch prefix
+``SPECFORGE_LAUNCHER_<NAME>`` (e.g. ``srun --nodes=4 --ntasks-per-node=1``) in front of it to start it
+once per node. A run only names a launcher; the command comes from the worker's own environment,
+and one that the run's or its deployment's job variables set is refused (``launch_prefix``);
+docs/deploy.md has the Slurm and JobSet recipes and the trust model.
 """
 
 import json
@@ -32,6 +35,7 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -47,7 +51,8 @@ from specforge_core.runtime.checkpoint import checkpoint_step, contract_differen
 from tasks.caching import StageOutput, content_key
 from tasks.process_group import kill_recorded_tree, run_process_group
 
-LAUNCH_PREFIX_ENV = "SPECFORGE_LAUNCH_PREFIX"
+LAUNCHER_ENV = "SPECFORGE_LAUNCHER_"
+RETIRED_PREFIX_ENV = "SPECFORGE_LAUNCH_PREFIX"  # a free-form command any job variable could set
 
 
 def run_dir_for(output_dir: str, flow_run_name: str, flow_run_id: str) -> Path:
@@ -55,8 +60,62 @@ def run_dir_for(output_dir: str, flow_run_name: str, flow_run_id: str) -> Path:
     return Path(output_dir) / f"{flow_run_name}-{str(flow_run_id).replace('-', '')[:8]}"
 
 
-def torchrun_command(config: RunConfig, manifest_path: Path, rdzv_id: str) -> list[str]:
-    """The worker command for this node: ``--standalone`` on one node, c10d rendezvous on several."""
+def launcher_variable(name: str) -> str:
+    """The worker's environment variable holding launcher ``name``'s prefix (``srun-2node`` →
+    ``SPECFORGE_LAUNCHER_SRUN_2NODE``)."""
+    return LAUNCHER_ENV + name.upper().replace("-", "_")
+
+
+def launch_prefix(name: str | None, environ: Mapping[str, str], run_env: Mapping[str, str]) -> list[str]:
+    """The words put in front of torchrun: launcher ``name`` as the worker's ``environ`` defines it.
+
+    ``run_env`` is what the flow run's and its deployment's job variables put into that environment
+    (a process worker merges them in). A launcher variable or the retired free-form
+    ``SPECFORGE_LAUNCH_PREFIX`` there is refused: whoever may set job variables through the Prefect
+    API could otherwise choose the command the worker runs. Raises ``ValueError`` naming the
+    variable and the fix; ``name=None`` gives no prefix.
+    """
+    from_run = sorted(k for k in run_env if k.startswith(LAUNCHER_ENV) or k == RETIRED_PREFIX_ENV)
+    if from_run:
+        raise ValueError(
+            f"the run's job variables set {', '.join(from_run)}: a launch prefix comes only from the "
+            "worker's own environment; remove it from the deployment's or run's job_variables.env and "
+            "name a launcher the worker defines in deployment.launcher (docs/deploy.md, 'Several nodes')"
+        )
+    if RETIRED_PREFIX_ENV in environ:
+        raise ValueError(
+            f"{RETIRED_PREFIX_ENV} is no longer read: define the prefix as SPECFORGE_LAUNCHER_<NAME> in the "
+            "worker's environment and set deployment.launcher to <name> (docs/deploy.md, 'Several nodes')"
+        )
+    if name is None:
+        return []
+    variable = launcher_variable(name)
+    if variable not in environ:
+        defined = sorted(k[len(LAUNCHER_ENV):].lower().replace("_", "-") for k in environ if k.startswith(LAUNCHER_ENV))
+        raise ValueError(
+            f"deployment.launcher={name!r} is not defined on this worker (defined: {defined or 'none'}); "
+            f"export {variable}='<command prefix>' before `prefect worker start`, or pick a defined one"
+        )
+    return shlex.split(environ[variable])
+
+
+def run_job_variable_env() -> dict[str, str]:
+    """The environment the current flow run's own and its deployment's job variables set ({} outside
+    a deployment run): what ``launch_prefix`` must not take a launcher from."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import deployment, flow_run
+
+    env = dict((flow_run.job_variables or {}).get("env") or {})
+    if deployment.id:
+        with get_client(sync_client=True) as client:
+            env.update((client.read_deployment(deployment.id).job_variables or {}).get("env") or {})
+    return env
+
+
+def torchrun_command(config: RunConfig, manifest_path: Path, rdzv_id: str,
+                     prefix: list[str] | None = None) -> list[str]:
+    """The worker command for this node: ``--standalone`` on one node, c10d rendezvous on several,
+    after ``prefix`` (``launch_prefix``'s words that start it once per node)."""
     d = config.deployment
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={d.nproc_per_node}"]
     if d.nnodes == 1:
@@ -69,8 +128,7 @@ def torchrun_command(config: RunConfig, manifest_path: Path, rdzv_id: str) -> li
         cmd += [f"--nnodes={d.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={d.rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id}"]
     cmd += ["-m", "specforge_core.train", "--manifest", str(manifest_path)]
-    prefix = shlex.split(os.environ.get(LAUNCH_PREFIX_ENV, ""))
-    return prefix + cmd
+    return (prefix or []) + cmd
 
 
 def check_recorded_plan(ckpt: Path, plan_path: Path) -> None:
@@ -137,6 +195,7 @@ def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput |
           run_dir: str, key: str) -> StageOutput:
     """Train the draft under torchrun (resuming this flow run's latest checkpoint, if any)."""
     logger = get_run_logger()
+    prefix = launch_prefix(config.deployment.launcher, os.environ, run_job_variable_env())
     run = RunDir(run_dir)
     run.root.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(plan.path, run.plan)
@@ -159,7 +218,7 @@ def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput |
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get(
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.deployment.nproc_per_node)))}
     outcome = run_process_group(
-        torchrun_command(config, manifest, rdzv_id=key[:32]),
+        torchrun_command(config, manifest, rdzv_id=key[:32], prefix=prefix),
         env=env,
         log_path=run.train_log,
         tree_path=run.process_tree,

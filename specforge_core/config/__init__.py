@@ -348,6 +348,10 @@ class DeploymentConfig(_Section):
     nproc_per_node: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)
     rdzv_endpoint: str | None = Field(None, description="host:port for multi-node c10d rendezvous.")
+    launcher: str | None = Field(
+        None, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="Name of a launch prefix the worker's "
+        "operator defined (SPECFORGE_LAUNCHER_<NAME> in the worker's environment; docs/deploy.md)."
+    )
 
     @property
     def world_size(self) -> int:

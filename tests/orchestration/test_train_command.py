@@ -11,13 +11,12 @@ import json
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import RunManifest
 from tasks.caching import StageOutput
-from tasks.training import record_run, run_dir_for, torchrun_command
+from tasks.training import launch_prefix, record_run, run_dir_for, torchrun_command
 
 
-def _cmd(monkeypatch, prefix: str = "", **deployment) -> list[str]:
-    monkeypatch.setenv("SPECFORGE_LAUNCH_PREFIX", prefix)
+def _cmd(monkeypatch, prefix: list[str] | None = None, **deployment) -> list[str]:
     cfg = RunConfig.model_validate({"deployment": deployment})
-    return torchrun_command(cfg, Path("run/run.json"), rdzv_id="abc")
+    return torchrun_command(cfg, Path("run/run.json"), rdzv_id="abc", prefix=prefix)
 
 
 def test_the_run_directory_is_stable_for_a_flow_run_and_new_for_another():
@@ -46,10 +45,40 @@ def test_several_nodes_without_an_endpoint_are_refused(monkeypatch):
 
 
 def test_the_launch_prefix_starts_the_command_once_per_node(monkeypatch):
-    cmd = _cmd(monkeypatch, prefix="srun --nodes=4 --ntasks-per-node=1", nproc_per_node=8, nnodes=4,
-               rdzv_endpoint="node0:29500")
+    prefix = launch_prefix("srun-4node", {"SPECFORGE_LAUNCHER_SRUN_4NODE": "srun --nodes=4 --ntasks-per-node=1"}, {})
+    cmd = _cmd(monkeypatch, prefix=prefix, nproc_per_node=8, nnodes=4, rdzv_endpoint="node0:29500")
     assert cmd[:3] == ["srun", "--nodes=4", "--ntasks-per-node=1"]
     assert cmd[3:6] == [sys.executable, "-m", "torch.distributed.run"]
+
+
+def test_without_a_launcher_there_is_no_prefix():
+    assert launch_prefix(None, {"SPECFORGE_LAUNCHER_SRUN": "srun"}, {}) == []
+
+
+def test_a_launcher_the_run_sets_through_job_variables_is_refused():
+    """A process worker merges job variables into the worker's environment: a launcher there would
+    let whoever may set job variables choose the command the worker runs."""
+    environ = {"SPECFORGE_LAUNCHER_SRUN": "touch /tmp/pwned;"}
+    with pytest.raises(ValueError, match="job variables set SPECFORGE_LAUNCHER_SRUN.*worker's own environment"):
+        launch_prefix("srun", environ, run_env={"SPECFORGE_LAUNCHER_SRUN": "touch /tmp/pwned;"})
+
+
+def test_the_retired_free_form_prefix_is_refused_from_the_run_and_from_the_worker():
+    with pytest.raises(ValueError, match="job variables set SPECFORGE_LAUNCH_PREFIX"):
+        launch_prefix(None, {"SPECFORGE_LAUNCH_PREFIX": "sh -c id"}, {"SPECFORGE_LAUNCH_PREFIX": "sh -c id"})
+    with pytest.raises(ValueError, match="no longer read.*SPECFORGE_LAUNCHER_<NAME>"):
+        launch_prefix(None, {"SPECFORGE_LAUNCH_PREFIX": "srun"}, {})
+
+
+def test_a_launcher_the_worker_does_not_define_is_refused_naming_the_variable_to_export():
+    with pytest.raises(ValueError, match=r"defined: \['srun-2node'\].*export SPECFORGE_LAUNCHER_SLURM_8"):
+        launch_prefix("slurm-8", {"SPECFORGE_LAUNCHER_SRUN_2NODE": "srun"}, {})
+
+
+@pytest.mark.parametrize("name", ["srun;id", "../x", "SRUN", "-x", ""])
+def test_a_launcher_name_is_a_plain_name_not_a_command(name):
+    with pytest.raises(ValueError, match="deployment.launcher"):
+        RunConfig.model_validate({"deployment": {"launcher": name}})
 
 
 def _record(tmp_path, cfg: RunConfig) -> RunDir:
