@@ -3,7 +3,7 @@
     trained = run_cached(train, config, cache, vocab, plan, run_dir=str(run_dir),
                          key=f"{flow_run_id}-{plan.key}")
 
-Run directory: ``<output.dir>/<flow-run name>-<first 8 hex of its id>`` (``run_dir_for``). A retry of
+Run directory: ``<output.dir>/<slug of the flow-run name>-<first 8 hex of its id>`` (``run_dir_for``). A retry of
 the flow run (``prefect flow-run retry``) keeps its id, so it finds its own checkpoints there and the
 trainer resumes from the latest one; a new flow run starts a new directory. The task:
 
@@ -32,9 +32,11 @@ docs/deploy.md has the Slurm and JobSet recipes and the trust model.
 
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
+import unicodedata
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -56,8 +58,20 @@ RETIRED_PREFIX_ENV = "SPECFORGE_LAUNCH_PREFIX"  # a free-form command any job va
 
 
 def run_dir_for(output_dir: str, flow_run_name: str, flow_run_id: str) -> Path:
-    """Where one flow run trains: stable across retries of that run, new for every new run."""
-    return Path(output_dir) / f"{flow_run_name}-{str(flow_run_id).replace('-', '')[:8]}"
+    """Where one flow run trains: stable across retries of that run, new for every new run, and
+    always one directory directly under ``output_dir``.
+
+    The flow-run name is anyone's choice through the API (``prefect deployment run --flow-run-name``),
+    so only a slug of it is used: ASCII letters, digits, ``_`` and ``-`` (accents folded, other
+    characters and ``..`` or ``/`` turned into ``-``), at most 48 characters, ``run`` when nothing
+    is left. The first 8 hex digits of the flow-run id keep two runs whose names slug alike apart.
+    """
+    folded = unicodedata.normalize("NFKD", str(flow_run_name)).encode("ascii", "ignore").decode()
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", folded).strip("-_")[:48].strip("-_") or "run"
+    run_id = re.sub(r"[^0-9a-f]", "", str(flow_run_id).lower())[:8]
+    if not run_id:
+        raise ValueError(f"flow-run id {flow_run_id!r} has no hex digits to name its run directory by")
+    return Path(output_dir) / f"{slug}-{run_id}"
 
 
 def launcher_variable(name: str) -> str:

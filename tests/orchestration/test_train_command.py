@@ -26,6 +26,33 @@ def test_the_run_directory_is_stable_for_a_flow_run_and_new_for_another():
     assert one != run_dir_for("runs/x", "brave-otter", "ffffffff-4e5f-6789-abcd-ef0123456789")
 
 
+RUN_ID = "0a1b2c3d-4e5f-6789-abcd-ef0123456789"
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("../../etc", "etc"),
+    ("../..", "run"),
+    ("/tmp/evil", "tmp-evil"),
+    ("", "run"),
+    ("..", "run"),
+    ("Crème brûlée 名前", "Creme-brulee"),
+    ("名前", "run"),
+    ("a/../../b", "a-b"),
+    ("x" * 300, "x" * 48),
+])
+def test_a_flow_run_name_becomes_a_slug_directly_under_the_output_dir(tmp_path, name, slug):
+    out = tmp_path / "runs"
+    run = run_dir_for(str(out), name, RUN_ID)
+    assert run == out / f"{slug}-0a1b2c3d"
+    assert run.resolve().parent == out.resolve()
+
+
+def test_names_that_slug_alike_stay_apart_by_the_flow_run_id(tmp_path):
+    one = run_dir_for(str(tmp_path), "../x", RUN_ID)
+    other = run_dir_for(str(tmp_path), "/x", "ffffffff-4e5f-6789-abcd-ef0123456789")
+    assert one != other and one.name.startswith("x-") and other.name.startswith("x-")
+
+
 def test_one_node_runs_torchrun_standalone(monkeypatch):
     assert _cmd(monkeypatch, nproc_per_node=2) == [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
