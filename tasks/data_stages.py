@@ -25,7 +25,7 @@ from specforge_core.data.tokenize import load_tokenizer
 from specforge_core.run.plan import PromptPlan
 from specforge_core.capture.target_info import target_vocab_size
 from specforge_core.data.vocab import ensure_vocab_map, vocab_map_key
-from tasks.caching import StageOutput, content_key
+from tasks.caching import StageOutput, stage_cache
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,7 @@ def _table(rows: dict) -> str:
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows.items())
 
 
-@task(name="prepare_prompt_cache", persist_result=True,
-      cache_key_fn=content_key("prompt-cache", location=_cache_dir))
+@task(name="prepare_prompt_cache", **stage_cache("prompt-cache", location=_cache_dir))
 def prepare_prompt_cache(config: RunConfig, key: str) -> StageOutput:
     """Tokenize the conversations into the content-addressed Arrow prompt cache (or open it)."""
     cache = ensure_prompt_cache(config, load_tokenizer(config))
@@ -82,8 +81,7 @@ def prepare_prompt_cache(config: RunConfig, key: str) -> StageOutput:
     return StageOutput(key=key, path=str(cache.path), facts=facts)
 
 
-@task(name="build_vocab_map", persist_result=True,
-      cache_key_fn=content_key("vocab-map", location=_cache_dir))
+@task(name="build_vocab_map", **stage_cache("vocab-map", location=_cache_dir))
 def build_vocab_map(config: RunConfig, prompt_cache: StageOutput, target_vocab: int, key: str) -> StageOutput:
     """Select the draft vocabulary (d2t/t2d) from the prompt cache's supervised tokens."""
     vm = ensure_vocab_map(config, open_prompt_cache(prompt_cache.path), target_vocab)
@@ -100,8 +98,7 @@ def build_vocab_map(config: RunConfig, prompt_cache: StageOutput, target_vocab: 
     return StageOutput(key=key, path=str(vm.path), facts=facts)
 
 
-@task(name="record_plan", persist_result=True,
-      cache_key_fn=content_key("prompt-plan", location=_cache_dir))
+@task(name="record_plan", **stage_cache("prompt-plan", location=_cache_dir))
 def record_plan(config: RunConfig, prompt_cache: StageOutput, key: str) -> StageOutput:
     """Record plan.json: seed, epochs, islands, shards and horizon, before any training."""
     plan = _plan(config, prompt_cache)

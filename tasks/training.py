@@ -50,7 +50,7 @@ from specforge_core.io import atomic_write_text
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import Ref, RunManifest
 from specforge_core.runtime.checkpoint import checkpoint_step, contract_differences, latest_checkpoint, read_train_state
-from tasks.caching import StageOutput, content_key
+from tasks.caching import StageOutput, stage_cache
 from tasks.process_group import kill_recorded_tree, run_process_group
 
 LAUNCHER_ENV = "SPECFORGE_LAUNCHER_"
@@ -204,7 +204,7 @@ def dry_run_layout(config: RunConfig, prompt_cache: StageOutput, plan: StageOutp
     return report.as_dict()
 
 
-@task(name="train", cache_key_fn=content_key("train", location=lambda p: p["run_dir"]), persist_result=True)
+@task(name="train", **stage_cache("train", location=lambda p: p["run_dir"]))
 def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput | None, plan: StageOutput,
           run_dir: str, key: str) -> StageOutput:
     """Train the draft under torchrun (resuming this flow run's latest checkpoint, if any)."""
