@@ -25,6 +25,7 @@ from specforge_core.data.tokenize import load_tokenizer
 from specforge_core.run.plan import PromptPlan
 from specforge_core.capture.target_info import target_vocab_size
 from specforge_core.data.vocab import ensure_vocab_map, vocab_map_key
+from specforge_core.runtime.trainer import directory_identity, target_memo_dir
 from tasks.caching import StageOutput, stage_cache
 
 
@@ -72,7 +73,9 @@ def prepare_prompt_cache(config: RunConfig, key: str) -> StageOutput:
             "tokenizer changed while this flow run was starting; run it again"
         )
     facts = {"train_rows": cache.train.num_rows, "eval_rows": cache.eval.num_rows,
-             "dropped": cache.meta.get("dropped"), "built": cache.built}
+             "dropped": cache.meta.get("dropped"), "built": cache.built,
+             # hashed once here and remembered, so the ranks' resume check is a stat per file
+             "target_fingerprint": directory_identity(config.model.target, memo_dir=target_memo_dir(config))}
     create_markdown_artifact(
         key="prompt-cache",
         markdown=f"## Prompt cache\n\n{_table({'key': f'`{key[:16]}…`', 'path': f'`{cache.path}`', **facts})}\n",

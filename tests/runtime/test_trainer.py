@@ -6,6 +6,7 @@ in test_train_cli.py.
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -257,8 +258,24 @@ def test_directory_identity_follows_content_not_location(tmp_path):
     assert directory_identity(tmp_path / "a") != directory_identity(tmp_path / "b")
 
 
-def test_directory_identity_sees_a_resized_weight_file(tmp_path):
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
-    before = directory_identity(tmp_path, content_limit=1024)
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 4097)
-    assert directory_identity(tmp_path, content_limit=1024) != before
+def test_directory_identity_sees_same_size_weights_with_other_bytes(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * (4 << 20))
+    before = directory_identity(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"y" * (4 << 20))
+    assert directory_identity(tmp_path) != before
+
+
+def test_a_remembered_digest_is_not_reused_after_a_rewrite_that_restores_mtime(tmp_path):
+    """The memo is keyed on size, mtime, ctime and inode: ``cp -p`` or ``touch -r`` over the weights
+    keeps size and mtime, not the change time."""
+    target, memo = tmp_path / "target", tmp_path / "memo"
+    target.mkdir()
+    weights = target / "model.safetensors"
+    weights.write_bytes(b"x" * 4096)
+    old = weights.stat().st_mtime_ns - 10**10
+    os.utime(weights, ns=(old, old))  # older than the racily-clean window: the digest is remembered
+    before = directory_identity(target, memo_dir=memo)
+    assert list(memo.iterdir()) and directory_identity(target, memo_dir=memo) == before
+    weights.write_bytes(b"y" * 4096)
+    os.utime(weights, ns=(old, old))
+    assert directory_identity(target, memo_dir=memo) != before
