@@ -50,6 +50,7 @@ from specforge_core.io import atomic_write_text
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import Ref, RunManifest
 from specforge_core.runtime.checkpoint import checkpoint_step, contract_differences, latest_checkpoint, read_train_state
+from specforge_core.runtime.run_lock import make_output_dir
 from tasks.caching import StageOutput, stage_cache
 from tasks.process_group import kill_recorded_tree, run_process_group
 
@@ -211,7 +212,7 @@ def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput |
     logger = get_run_logger()
     prefix = launch_prefix(config.deployment.launcher, os.environ, run_job_variable_env())
     run = RunDir(run_dir)
-    run.root.mkdir(parents=True, exist_ok=True)
+    make_output_dir(run.root)
     shutil.copyfile(plan.path, run.plan)
 
     # A flow-run process killed by SIGKILL (OOM) leaves its torchrun tree running: the worker
