@@ -1,9 +1,13 @@
 """tasks/training.py: where a flow run trains, what it records there, and the per-node torchrun command."""
 
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.flow_engine import run_flow
 
 from specforge_core.config import RunConfig
 import json
@@ -11,7 +15,7 @@ import json
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import RunManifest
 from tasks.caching import StageOutput
-from tasks.training import launch_prefix, record_run, run_dir_for, torchrun_command
+from tasks.training import launch_prefix, record_run, run_dir_for, run_job_variable_env, torchrun_command
 
 
 def _cmd(monkeypatch, prefix: list[str] | None = None, **deployment) -> list[str]:
@@ -100,6 +104,27 @@ def test_the_retired_free_form_prefix_is_refused_from_the_run_and_from_the_worke
 def test_a_launcher_the_worker_does_not_define_is_refused_naming_the_variable_to_export():
     with pytest.raises(ValueError, match=r"defined: \['srun-2node'\].*export SPECFORGE_LAUNCHER_SLURM_8"):
         launch_prefix("slurm-8", {"SPECFORGE_LAUNCHER_SRUN_2NODE": "srun"}, {})
+
+
+@flow
+def _read_run_env() -> dict:
+    return run_job_variable_env()
+
+
+def test_the_run_environment_holds_the_deployments_and_the_runs_job_variables(prefect_api):
+    """What ``launch_prefix`` refuses to take a launcher from is read back from the API: the
+    deployment's job variables and the flow run's own overrides."""
+    with get_client(sync_client=True) as client:
+        deployment_id = client.create_deployment(
+            flow_id=client.create_flow(_read_run_env), name=f"env-{uuid.uuid4().hex[:8]}",
+            job_variables={"env": {"SPECFORGE_LAUNCHER_FROM_DEPLOYMENT": "sh -c id", "OTHER": "1"}})
+        flow_run = client.create_flow_run_from_deployment(
+            deployment_id, job_variables={"env": {"SPECFORGE_LAUNCHER_FROM_RUN": "sh -c id"}})
+    env = run_flow(_read_run_env, flow_run=flow_run)
+    assert env == {"SPECFORGE_LAUNCHER_FROM_DEPLOYMENT": "sh -c id", "OTHER": "1",
+                   "SPECFORGE_LAUNCHER_FROM_RUN": "sh -c id"}
+    with pytest.raises(ValueError, match="FROM_DEPLOYMENT, SPECFORGE_LAUNCHER_FROM_RUN"):
+        launch_prefix(None, {}, env)
 
 
 @pytest.mark.parametrize("name", ["srun;id", "../x", "SRUN", "-x", ""])
