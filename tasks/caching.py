@@ -137,7 +137,11 @@ class StageRecordStorage(LocalFileSystem):
             raise ValueError(f"{where}: not a result record's metadata ({e}): not read") from None
         if serializer != json.loads(JSONSerializer().model_dump_json()):
             raise ValueError(f"{where}: result serializer {serializer!r} is not Prefect's plain JSON: not read")
-        check_stage_result(_default_storage().read_path(result_key), result_key)
+        try:  # the result the metadata names, which must lie in the result storage
+            result = _default_storage()._resolve_path(result_key).read_bytes()
+        except OSError as e:
+            raise ValueError(f"{where}: its result {result_key} cannot be read ({e})") from None
+        check_stage_result(result, result_key)
         return content
 
     def read_path(self, path: str, _sync: bool = True) -> bytes:

@@ -151,6 +151,23 @@ def test_a_planted_record_under_the_cache_key_is_never_decoded(prefect_api, tmp_
     assert _builds(tmp_path) == 1
 
 
+def test_a_record_whose_result_lies_outside_the_result_storage_is_not_read(prefect_api, tmp_path, key):
+    """A record naming Prefect's JSON serializer and a well-formed result, but one kept elsewhere."""
+    from prefect.serializers import JSONSerializer
+
+    outside = tmp_path / "result.json"
+    outside.write_text(json.dumps({"__class__": "tasks.caching.StageOutput",
+                                   "data": {"key": key, "path": str(tmp_path / "elsewhere")}}))
+    record = _storage() / "stage-records" / f"toy-stage-{key}"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"storage_key": str(outside), "expiration": None,
+                                  "serializer": json.loads(JSONSerializer().model_dump_json()),
+                                  "prefect_version": "3.9.1", "storage_block_id": None}))
+    state = toy_flow(str(tmp_path), key, return_state=True)
+    assert _task_states(state.state_details.flow_run_id) == ["Completed"]
+    assert state.result().path == str(tmp_path / f"{key}.txt")
+
+
 @pytest.mark.parametrize("result", [
     {"__class__": "os.system", "data": "touch x"},
     {"__class__": "tasks.caching.StageOutput", "data": {"key": "k", "path": "p",
