@@ -25,8 +25,9 @@ from specforge_core.data.tokenize import load_tokenizer
 from specforge_core.run.plan import PromptPlan
 from specforge_core.capture.target_info import target_vocab_size
 from specforge_core.data.vocab import ensure_vocab_map, vocab_map_key
+from specforge_core.loop.trainer import directory_identity, target_memo_dir
+from tasks.caching import StageOutput, stage_cache
 from specforge_core.run.topology import Topology
-from tasks.caching import StageOutput, content_key
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,7 @@ def _table(rows: dict) -> str:
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows.items())
 
 
-@task(name="prepare_prompt_cache", persist_result=True,
-      cache_key_fn=content_key("prompt-cache", location=_cache_dir))
+@task(name="prepare_prompt_cache", **stage_cache("prompt-cache", location=_cache_dir))
 def prepare_prompt_cache(config: RunConfig, key: str) -> StageOutput:
     """Tokenize the conversations into the content-addressed Arrow prompt cache (or open it)."""
     cache = ensure_prompt_cache(config, load_tokenizer(config))
@@ -74,7 +74,9 @@ def prepare_prompt_cache(config: RunConfig, key: str) -> StageOutput:
             "tokenizer changed while this flow run was starting; run it again"
         )
     facts = {"train_rows": cache.train.num_rows, "eval_rows": cache.eval.num_rows,
-             "dropped": cache.meta.get("dropped"), "built": cache.built}
+             "dropped": cache.meta.get("dropped"), "built": cache.built,
+             # hashed once here and remembered, so the ranks' resume check is a stat per file
+             "target_fingerprint": directory_identity(config.model.target, memo_dir=target_memo_dir(config))}
     create_markdown_artifact(
         key="prompt-cache",
         markdown=f"## Prompt cache\n\n{_table({'key': f'`{key[:16]}…`', 'path': f'`{cache.path}`', **facts})}\n",
@@ -83,8 +85,7 @@ def prepare_prompt_cache(config: RunConfig, key: str) -> StageOutput:
     return StageOutput(key=key, path=str(cache.path), facts=facts)
 
 
-@task(name="build_vocab_map", persist_result=True,
-      cache_key_fn=content_key("vocab-map", location=_cache_dir))
+@task(name="build_vocab_map", **stage_cache("vocab-map", location=_cache_dir))
 def build_vocab_map(config: RunConfig, prompt_cache: StageOutput, target_vocab: int, key: str) -> StageOutput:
     """Select the draft vocabulary (d2t/t2d) from the prompt cache's supervised tokens."""
     vm = ensure_vocab_map(config, open_prompt_cache(prompt_cache.path), target_vocab)
@@ -101,8 +102,7 @@ def build_vocab_map(config: RunConfig, prompt_cache: StageOutput, target_vocab: 
     return StageOutput(key=key, path=str(vm.path), facts=facts)
 
 
-@task(name="record_plan", persist_result=True,
-      cache_key_fn=content_key("prompt-plan", location=_cache_dir))
+@task(name="record_plan", **stage_cache("prompt-plan", location=_cache_dir))
 def record_plan(config: RunConfig, prompt_cache: StageOutput, key: str) -> StageOutput:
     """Record plan.json: seed, epochs, islands, shards and horizon, before any training."""
     plan = _plan(config, prompt_cache)

@@ -3,7 +3,7 @@
     trained = run_cached(train, config, cache, vocab, plan, run_dir=str(run_dir),
                          key=f"{flow_run_id}-{plan.key}")
 
-Run directory: ``<output.dir>/<flow-run name>-<first 8 hex of its id>`` (``run_dir_for``). A retry of
+Run directory: ``<output.dir>/<slug of the flow-run name>-<first 8 hex of its id>`` (``run_dir_for``). A retry of
 the flow run (``prefect flow-run retry``) keeps its id, so it finds its own checkpoints there and the
 trainer resumes from the latest one; a new flow run starts a new directory. The task:
 
@@ -23,15 +23,21 @@ trainer resumes from the latest one; a new flow run starts a new directory. The 
 prompt cache and plan, logged and published as the ``dry-run`` artifact; nothing is launched.
 
 Several nodes: ``deployment.nnodes > 1`` with ``deployment.rdzv_endpoint`` gives a c10d rendezvous
-command, and ``SPECFORGE_LAUNCH_PREFIX`` (e.g. ``srun --nodes=4 --ntasks-per-node=1``) starts it once
-per node; docs/deploy.md has the Slurm and JobSet recipes.
+command, and ``deployment.launcher: <name>`` puts the worker operator's launch prefix
+``SPECFORGE_LAUNCHER_<NAME>`` (e.g. ``srun --nodes=4 --ntasks-per-node=1``) in front of it to start it
+once per node. A run only names a launcher; the command comes from the worker's own environment,
+and one that the run's or its deployment's job variables set is refused (``launch_prefix``);
+docs/deploy.md has the Slurm and JobSet recipes and the trust model.
 """
 
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
+import unicodedata
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -44,19 +50,87 @@ from specforge_core.io import atomic_write_text
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import Ref, RunManifest
 from specforge_core.loop.checkpoint import checkpoint_step, contract_differences, latest_checkpoint, read_train_state
-from tasks.caching import StageOutput, content_key
+from specforge_core.loop.run_lock import make_output_dir
+from tasks.caching import StageOutput, stage_cache
 from tasks.process_group import kill_recorded_tree, run_process_group
 
-LAUNCH_PREFIX_ENV = "SPECFORGE_LAUNCH_PREFIX"
+LAUNCHER_ENV = "SPECFORGE_LAUNCHER_"
+RETIRED_PREFIX_ENV = "SPECFORGE_LAUNCH_PREFIX"  # a free-form command any job variable could set
 
 
 def run_dir_for(output_dir: str, flow_run_name: str, flow_run_id: str) -> Path:
-    """Where one flow run trains: stable across retries of that run, new for every new run."""
-    return Path(output_dir) / f"{flow_run_name}-{str(flow_run_id).replace('-', '')[:8]}"
+    """Where one flow run trains: stable across retries of that run, new for every new run, and
+    always one directory directly under ``output_dir``.
+
+    The flow-run name is anyone's choice through the API (``prefect deployment run --flow-run-name``),
+    so only a slug of it is used: ASCII letters, digits, ``_`` and ``-`` (accents folded, other
+    characters and ``..`` or ``/`` turned into ``-``), at most 48 characters, ``run`` when nothing
+    is left. The first 8 hex digits of the flow-run id keep two runs whose names slug alike apart.
+    """
+    folded = unicodedata.normalize("NFKD", str(flow_run_name)).encode("ascii", "ignore").decode()
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", folded).strip("-_")[:48].strip("-_") or "run"
+    run_id = re.sub(r"[^0-9a-f]", "", str(flow_run_id).lower())[:8]
+    if not run_id:
+        raise ValueError(f"flow-run id {flow_run_id!r} has no hex digits to name its run directory by")
+    return Path(output_dir) / f"{slug}-{run_id}"
 
 
-def torchrun_command(config: RunConfig, manifest_path: Path, rdzv_id: str) -> list[str]:
-    """The worker command for this node: ``--standalone`` on one node, c10d rendezvous on several."""
+def launcher_variable(name: str) -> str:
+    """The worker's environment variable holding launcher ``name``'s prefix (``srun-2node`` →
+    ``SPECFORGE_LAUNCHER_SRUN_2NODE``)."""
+    return LAUNCHER_ENV + name.upper().replace("-", "_")
+
+
+def launch_prefix(name: str | None, environ: Mapping[str, str], run_env: Mapping[str, str]) -> list[str]:
+    """The words put in front of torchrun: launcher ``name`` as the worker's ``environ`` defines it.
+
+    ``run_env`` is what the flow run's and its deployment's job variables put into that environment
+    (a process worker merges them in). A launcher variable or the retired free-form
+    ``SPECFORGE_LAUNCH_PREFIX`` there is refused: whoever may set job variables through the Prefect
+    API could otherwise choose the command the worker runs. Raises ``ValueError`` naming the
+    variable and the fix; ``name=None`` gives no prefix.
+    """
+    from_run = sorted(k for k in run_env if k.startswith(LAUNCHER_ENV) or k == RETIRED_PREFIX_ENV)
+    if from_run:
+        raise ValueError(
+            f"the run's job variables set {', '.join(from_run)}: a launch prefix comes only from the "
+            "worker's own environment; remove it from the deployment's or run's job_variables.env and "
+            "name a launcher the worker defines in deployment.launcher (docs/deploy.md, 'Several nodes')"
+        )
+    if RETIRED_PREFIX_ENV in environ:
+        raise ValueError(
+            f"{RETIRED_PREFIX_ENV} is no longer read: define the prefix as SPECFORGE_LAUNCHER_<NAME> in the "
+            "worker's environment and set deployment.launcher to <name> (docs/deploy.md, 'Several nodes')"
+        )
+    if name is None:
+        return []
+    variable = launcher_variable(name)
+    if variable not in environ:
+        defined = sorted(k[len(LAUNCHER_ENV):].lower().replace("_", "-") for k in environ if k.startswith(LAUNCHER_ENV))
+        raise ValueError(
+            f"deployment.launcher={name!r} is not defined on this worker (defined: {defined or 'none'}); "
+            f"export {variable}='<command prefix>' before `prefect worker start`, or pick a defined one"
+        )
+    return shlex.split(environ[variable])
+
+
+def run_job_variable_env() -> dict[str, str]:
+    """The environment the current flow run's own and its deployment's job variables set ({} outside
+    a deployment run): what ``launch_prefix`` must not take a launcher from."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import deployment, flow_run
+
+    env = dict((flow_run.job_variables or {}).get("env") or {})
+    if deployment.id:
+        with get_client(sync_client=True) as client:
+            env.update((client.read_deployment(deployment.id).job_variables or {}).get("env") or {})
+    return env
+
+
+def torchrun_command(config: RunConfig, manifest_path: Path, rdzv_id: str,
+                     prefix: list[str] | None = None) -> list[str]:
+    """The worker command for this node: ``--standalone`` on one node, c10d rendezvous on several,
+    after ``prefix`` (``launch_prefix``'s words that start it once per node)."""
     d = config.deployment
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={d.nproc_per_node}"]
     if d.nnodes == 1:
@@ -69,8 +143,7 @@ def torchrun_command(config: RunConfig, manifest_path: Path, rdzv_id: str) -> li
         cmd += [f"--nnodes={d.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={d.rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id}"]
     cmd += ["-m", "specforge_core.train", "--manifest", str(manifest_path)]
-    prefix = shlex.split(os.environ.get(LAUNCH_PREFIX_ENV, ""))
-    return prefix + cmd
+    return (prefix or []) + cmd
 
 
 def check_checkpoint_plan(ckpt: Path, plan_path: Path) -> None:
@@ -132,13 +205,14 @@ def dry_run_layout(config: RunConfig, prompt_cache: StageOutput, plan: StageOutp
     return report.as_dict()
 
 
-@task(name="train", cache_key_fn=content_key("train", location=lambda p: p["run_dir"]), persist_result=True)
+@task(name="train", **stage_cache("train", location=lambda p: p["run_dir"]))
 def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput | None, plan: StageOutput,
           run_dir: str, key: str) -> StageOutput:
     """Train the draft under torchrun (resuming this flow run's latest checkpoint, if any)."""
     logger = get_run_logger()
+    prefix = launch_prefix(config.deployment.launcher, os.environ, run_job_variable_env())
     run = RunDir(run_dir)
-    run.root.mkdir(parents=True, exist_ok=True)
+    make_output_dir(run.root)
     shutil.copyfile(plan.path, run.plan)
 
     # A flow-run process killed by SIGKILL (OOM) leaves its torchrun tree running: the worker
@@ -159,7 +233,7 @@ def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput |
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get(
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.deployment.nproc_per_node)))}
     outcome = run_process_group(
-        torchrun_command(config, manifest, rdzv_id=key[:32]),
+        torchrun_command(config, manifest, rdzv_id=key[:32], prefix=prefix),
         env=env,
         log_path=run.train_log,
         tree_path=run.process_tree,

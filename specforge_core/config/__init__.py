@@ -246,7 +246,11 @@ class TrainingConfig(_Section):
         "unroll's memory-bound passes (GPU; end to end 18.5k against 14.4k tokens/s at Qwen3-8B shape; 3–4 min of "
         "compiling, cached in <output.dir>/compile-cache). Off: only flex attention is compiled, where it is used (≈ 24 s start, measured on flex)."
     )
-    save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0: end only).")
+    save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0: not by steps).")
+    save_every_minutes: float = Field(
+        30, ge=0, description="Also checkpoint once this much wall time has passed since the start or the "
+        "last checkpoint (0: not by time). Every run also checkpoints at its end."
+    )
     keep_checkpoints: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
     log_interval: int = Field(10, ge=1)
     resume: Literal["auto", "never", "must"] = Field(
@@ -349,6 +353,10 @@ class DeploymentConfig(_Section):
     nproc_per_node: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)
     rdzv_endpoint: str | None = Field(None, description="host:port for multi-node c10d rendezvous.")
+    launcher: str | None = Field(
+        None, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="Name of a launch prefix the worker's "
+        "operator defined (SPECFORGE_LAUNCHER_<NAME> in the worker's environment; docs/deploy.md)."
+    )
 
     @property
     def world_size(self) -> int:

@@ -347,6 +347,8 @@ def _stamp(info: dict) -> tuple[dict, float | None, bool]:
         if isinstance(v, (int, float)):
             stamp[k], mtime = v, float(v)
             break
+    if "mtime" in stamp and isinstance(info.get("created"), (int, float)):
+        stamp["created"] = info["created"]  # a local file's st_ctime: a rewrite that restores mtime moves it
     tags = {k: str(info[k]) for k in _TAG_KEYS if info.get(k)}
     stamp.update(tags)
     if "ino" in info:

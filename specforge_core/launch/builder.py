@@ -169,7 +169,8 @@ def build_training(cfg, d, inputs: RunInputs, checked):
     """Backend, draft, objective and trainer of this rank; returns ``(trainer, backend)``."""
     from specforge_core.capture import build_capture_backend
     from specforge_core.loop.rollout import RolloutStream
-    from specforge_core.loop.trainer import Trainer, directory_identity, training_contract
+    from specforge_core.system.distributed import broadcast_object
+    from specforge_core.loop.trainer import Trainer, directory_identity, target_memo_dir, training_contract
 
     family = checked.family
     backend = build_capture_backend(
@@ -184,7 +185,8 @@ def build_training(cfg, d, inputs: RunInputs, checked):
         inputs.plan,
         prompt_cache=inputs.prompt_cache.key,
         vocab_map=None if inputs.vocab is None else inputs.vocab.key,
-        target=directory_identity(cfg.model.target),
+        target=broadcast_object(d, directory_identity(cfg.model.target, memo_dir=target_memo_dir(cfg))
+                                if d.is_main else None),  # rank 0 hashes; the others wait
         draft_config=family.serving_config(draft_config),
         family_fields=family.contract_fields(cfg),
     )

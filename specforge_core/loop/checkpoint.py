@@ -392,12 +392,16 @@ def check_resume(recorded: dict, current: dict, *, where: str) -> None:
     """Raise ResumeError naming every difference between the recorded and the current contract."""
     diffs = contract_differences(recorded, current)
     if diffs:
+        target = ""
+        if any(d.startswith("identities.target:") for d in diffs):
+            target = ("identities.target is the sha256 of model.target's files (weights, config, "
+                      "tokenizer): point model.target at the files the checkpoint was trained on; ")
         raise ResumeError(
             "this run differs from the checkpoint it would resume, so it would train the wrong "
             "prompts or state:\n    " + "\n    ".join(diffs),
             where=where,
-            fix="resume with the recorded values (same config, data, plan and world size), or start "
-            "a fresh run in a new output.dir",
+            fix=target + "resume with the recorded values (same config, data, plan and world size), or "
+            "start a fresh run in a new output.dir",
         )
 
 

@@ -2,10 +2,13 @@
 
 A run takes ``<output.dir>/RUN.lock`` before it writes anything there and holds it until it ends.
 The file names its holder (run id, host, pid, start time). A second run on the same directory
-fails naming that holder, or waits for it when ``output.on_busy: wait``. A lock left by a process
-that no longer exists on this host is stale: it is taken over (atomically, so two newcomers cannot
-both take it). A lock held from another host is never judged stale from here; its owner or an
-operator removes it (the error says how).
+fails naming that holder, or waits for it when ``output.on_busy: wait``. A lock of this host is
+stale, and taken over (atomically, so two newcomers cannot both take it), when its process is gone:
+no process has its pid, the machine rebooted since (another boot id), or the process that has the
+pid now started at another time (the pid was reused: recorded as ticks since boot from
+``/proc/<pid>/stat``; a lock without that record is judged by its ``started`` time, which its
+holder cannot predate). A lock held from another host is never judged stale from here; the error
+names the holder, how to check it, and the command that takes the directory over.
 
 The lock is an ``O_CREAT | O_EXCL`` file, which is atomic on local and NFS v3+ filesystems, and
 is taken by rank 0 (or the orchestrator) only.
@@ -13,13 +16,14 @@ is taken by rank 0 (or the orchestrator) only.
 
 import json
 import os
+import shlex
 import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specforge_core.errors import SpecForgeError
+from specforge_core.errors import ConfigError, SpecForgeError
 
 LOCK_NAME = "RUN.lock"
 
@@ -34,6 +38,8 @@ class LockHolder:
     host: str
     pid: int
     started: float
+    boot_id: str | None = None  # this boot of the host (absent in older locks)
+    proc_start: int | None = None  # the process's start, clock ticks since boot (absent in older locks)
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -50,6 +56,33 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``, field 22);
+    None when that cannot be read (no such process, no ``/proc``)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _process_started_at(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (boot time + its start ticks)."""
+    ticks = process_start(pid)
+    try:
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return None if ticks is None else boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def read_holder(lock_path: Path) -> LockHolder | None:
     """The holder recorded in ``lock_path``; None if absent or unreadable (a torn write)."""
     try:
@@ -58,10 +91,36 @@ def read_holder(lock_path: Path) -> LockHolder | None:
         return None
 
 
+_CLOCK_SLACK_S = 2.0  # /proc/stat's boot time is whole seconds; wall clocks drift a little
+
+
 def _is_stale(holder: LockHolder | None) -> bool:
     if holder is None:
         return True
-    return holder.host == socket.gethostname() and not _pid_alive(holder.pid)
+    if holder.host != socket.gethostname():
+        return False
+    if holder.boot_id and _boot_id() and holder.boot_id != _boot_id():
+        return True
+    if not _pid_alive(holder.pid):
+        return True
+    if holder.proc_start is not None:
+        now = process_start(holder.pid)
+        return now is not None and now != holder.proc_start
+    started = _process_started_at(holder.pid)  # an older lock: its holder wrote it after it started
+    return started is not None and started > holder.started + _CLOCK_SLACK_S
+
+
+def make_output_dir(path: Path) -> None:
+    """Create the run directory ``path`` (and its parents); ConfigError naming ``output.dir`` and
+    the fix when it, or a folder above it, is an existing file."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(
+            "output.dir is an existing file, not a directory (or lies under one)",
+            where=f"output.dir={path}",
+            fix="set output.dir to a directory (new or existing), or move that file away",
+        ) from None
 
 
 class RunLock:
@@ -75,7 +134,8 @@ class RunLock:
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / LOCK_NAME
         self.holder = LockHolder(
-            run_id=run_id or uuid.uuid4().hex[:12], host=socket.gethostname(), pid=os.getpid(), started=time.time()
+            run_id=run_id or uuid.uuid4().hex[:12], host=socket.gethostname(), pid=os.getpid(), started=time.time(),
+            boot_id=_boot_id(), proc_start=process_start(os.getpid()),
         )
         self.wait_s = wait_s
         self.took_over: LockHolder | None = None
@@ -117,7 +177,7 @@ class RunLock:
             mutex.unlink(missing_ok=True)
 
     def acquire(self) -> "RunLock":
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        make_output_dir(self.out_dir)
         deadline = None if self.wait_s is None else time.monotonic() + self.wait_s
         while True:
             if self._try_create():
@@ -127,16 +187,19 @@ class RunLock:
                 self._take_over_stale(holder)
                 continue
             if deadline is None or time.monotonic() >= deadline:
-                who = holder.describe() if holder else "another run"
                 raise RunBusyError(
-                    f"output directory is in use by {who}",
+                    f"output directory is in use by {holder.describe() if holder else 'another run'}",
                     where=str(self.out_dir),
-                    fix=(
-                        "wait for that run to finish (output.on_busy: wait), or choose another output.dir; "
-                        f"if that run is gone for good on another host, delete {self.path}"
-                    ),
+                    fix=self._busy_fix(holder),
                 )
             time.sleep(0.5)
+
+    def _busy_fix(self, holder: LockHolder | None) -> str:
+        check = "" if holder is None else (
+            f" (check on {holder.host}: ps -o pid,lstart,args -p {holder.pid}; the lock says since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.started))})")
+        return ("wait for that run to finish (output.on_busy: wait), or choose another output.dir; if that "
+                f"run no longer runs{check}, take the directory over with: rm {shlex.quote(str(self.path))}")
 
     def release(self) -> None:
         if read_holder(self.path) == self.holder:

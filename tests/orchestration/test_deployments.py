@@ -29,11 +29,13 @@ def test_each_gpu_deployment_runs_its_recipe():
         assert RunConfig.model_validate(BY_NAME[name]["parameters"]["config"]) == load_config(recipe), name
 
 
-def test_a_multi_node_recipe_is_launched_once_per_node_by_its_deployment():
+def test_a_multi_node_recipe_names_a_launcher_and_no_deployment_sets_a_launch_command():
     for name, recipe in RECIPES.items():
-        nodes = load_config(recipe).deployment.nnodes
-        prefix = BY_NAME[name]["work_pool"]["job_variables"]["env"].get("SPECFORGE_LAUNCH_PREFIX", "")
-        assert (f"--nodes={nodes}" in prefix) if nodes > 1 else prefix == "", name
+        d = load_config(recipe).deployment
+        assert (d.launcher == f"srun-{d.nnodes}node") if d.nnodes > 1 else d.launcher is None, name
+    for name, spec in BY_NAME.items():
+        env = spec["work_pool"]["job_variables"]["env"]
+        assert not [k for k in env if k.startswith("SPECFORGE_LAUNCH")], name
 
 
 def test_flow_runs_start_in_the_directory_prefect_deploy_ran_in():

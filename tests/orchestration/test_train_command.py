@@ -1,9 +1,13 @@
 """tasks/train_stage.py: where a flow run trains, what it records there, and the per-node torchrun command."""
 
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.flow_engine import run_flow
 
 from specforge_core.config import RunConfig, config_from_dict
 import json
@@ -11,13 +15,12 @@ import json
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import RunManifest
 from tasks.caching import StageOutput
-from tasks.train_stage import record_run, run_dir_for, torchrun_command
+from tasks.train_stage import launch_prefix, record_run, run_dir_for, run_job_variable_env, torchrun_command
 
 
-def _cmd(monkeypatch, prefix: str = "", **deployment) -> list[str]:
-    monkeypatch.setenv("SPECFORGE_LAUNCH_PREFIX", prefix)
+def _cmd(monkeypatch, prefix: list[str] | None = None, **deployment) -> list[str]:
     cfg = RunConfig.model_validate({"deployment": deployment})
-    return torchrun_command(cfg, Path("run/run.json"), rdzv_id="abc")
+    return torchrun_command(cfg, Path("run/run.json"), rdzv_id="abc", prefix=prefix)
 
 
 def test_the_run_directory_is_stable_for_a_flow_run_and_new_for_another():
@@ -25,6 +28,33 @@ def test_the_run_directory_is_stable_for_a_flow_run_and_new_for_another():
     assert one == run_dir_for("runs/x", "brave-otter", "0a1b2c3d-4e5f-6789-abcd-ef0123456789")
     assert one == Path("runs/x/brave-otter-0a1b2c3d")
     assert one != run_dir_for("runs/x", "brave-otter", "ffffffff-4e5f-6789-abcd-ef0123456789")
+
+
+RUN_ID = "0a1b2c3d-4e5f-6789-abcd-ef0123456789"
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("../../etc", "etc"),
+    ("../..", "run"),
+    ("/tmp/evil", "tmp-evil"),
+    ("", "run"),
+    ("..", "run"),
+    ("Crème brûlée 名前", "Creme-brulee"),
+    ("名前", "run"),
+    ("a/../../b", "a-b"),
+    ("x" * 300, "x" * 48),
+])
+def test_a_flow_run_name_becomes_a_slug_directly_under_the_output_dir(tmp_path, name, slug):
+    out = tmp_path / "runs"
+    run = run_dir_for(str(out), name, RUN_ID)
+    assert run == out / f"{slug}-0a1b2c3d"
+    assert run.resolve().parent == out.resolve()
+
+
+def test_names_that_slug_alike_stay_apart_by_the_flow_run_id(tmp_path):
+    one = run_dir_for(str(tmp_path), "../x", RUN_ID)
+    other = run_dir_for(str(tmp_path), "/x", "ffffffff-4e5f-6789-abcd-ef0123456789")
+    assert one != other and one.name.startswith("x-") and other.name.startswith("x-")
 
 
 def test_one_node_runs_torchrun_standalone(monkeypatch):
@@ -46,10 +76,61 @@ def test_several_nodes_without_an_endpoint_are_refused(monkeypatch):
 
 
 def test_the_launch_prefix_starts_the_command_once_per_node(monkeypatch):
-    cmd = _cmd(monkeypatch, prefix="srun --nodes=4 --ntasks-per-node=1", nproc_per_node=8, nnodes=4,
-               rdzv_endpoint="node0:29500")
+    prefix = launch_prefix("srun-4node", {"SPECFORGE_LAUNCHER_SRUN_4NODE": "srun --nodes=4 --ntasks-per-node=1"}, {})
+    cmd = _cmd(monkeypatch, prefix=prefix, nproc_per_node=8, nnodes=4, rdzv_endpoint="node0:29500")
     assert cmd[:3] == ["srun", "--nodes=4", "--ntasks-per-node=1"]
     assert cmd[3:6] == [sys.executable, "-m", "torch.distributed.run"]
+
+
+def test_without_a_launcher_there_is_no_prefix():
+    assert launch_prefix(None, {"SPECFORGE_LAUNCHER_SRUN": "srun"}, {}) == []
+
+
+def test_a_launcher_the_run_sets_through_job_variables_is_refused():
+    """A process worker merges job variables into the worker's environment: a launcher there would
+    let whoever may set job variables choose the command the worker runs."""
+    environ = {"SPECFORGE_LAUNCHER_SRUN": "touch /tmp/pwned;"}
+    with pytest.raises(ValueError, match="job variables set SPECFORGE_LAUNCHER_SRUN.*worker's own environment"):
+        launch_prefix("srun", environ, run_env={"SPECFORGE_LAUNCHER_SRUN": "touch /tmp/pwned;"})
+
+
+def test_the_retired_free_form_prefix_is_refused_from_the_run_and_from_the_worker():
+    with pytest.raises(ValueError, match="job variables set SPECFORGE_LAUNCH_PREFIX"):
+        launch_prefix(None, {"SPECFORGE_LAUNCH_PREFIX": "sh -c id"}, {"SPECFORGE_LAUNCH_PREFIX": "sh -c id"})
+    with pytest.raises(ValueError, match="no longer read.*SPECFORGE_LAUNCHER_<NAME>"):
+        launch_prefix(None, {"SPECFORGE_LAUNCH_PREFIX": "srun"}, {})
+
+
+def test_a_launcher_the_worker_does_not_define_is_refused_naming_the_variable_to_export():
+    with pytest.raises(ValueError, match=r"defined: \['srun-2node'\].*export SPECFORGE_LAUNCHER_SLURM_8"):
+        launch_prefix("slurm-8", {"SPECFORGE_LAUNCHER_SRUN_2NODE": "srun"}, {})
+
+
+@flow
+def _read_run_env() -> dict:
+    return run_job_variable_env()
+
+
+def test_the_run_environment_holds_the_deployments_and_the_runs_job_variables(prefect_api):
+    """What ``launch_prefix`` refuses to take a launcher from is read back from the API: the
+    deployment's job variables and the flow run's own overrides."""
+    with get_client(sync_client=True) as client:
+        deployment_id = client.create_deployment(
+            flow_id=client.create_flow(_read_run_env), name=f"env-{uuid.uuid4().hex[:8]}",
+            job_variables={"env": {"SPECFORGE_LAUNCHER_FROM_DEPLOYMENT": "sh -c id", "OTHER": "1"}})
+        flow_run = client.create_flow_run_from_deployment(
+            deployment_id, job_variables={"env": {"SPECFORGE_LAUNCHER_FROM_RUN": "sh -c id"}})
+    env = run_flow(_read_run_env, flow_run=flow_run)
+    assert env == {"SPECFORGE_LAUNCHER_FROM_DEPLOYMENT": "sh -c id", "OTHER": "1",
+                   "SPECFORGE_LAUNCHER_FROM_RUN": "sh -c id"}
+    with pytest.raises(ValueError, match="FROM_DEPLOYMENT, SPECFORGE_LAUNCHER_FROM_RUN"):
+        launch_prefix(None, {}, env)
+
+
+@pytest.mark.parametrize("name", ["srun;id", "../x", "SRUN", "-x", ""])
+def test_a_launcher_name_is_a_plain_name_not_a_command(name):
+    with pytest.raises(ValueError, match="deployment.launcher"):
+        RunConfig.model_validate({"deployment": {"launcher": name}})
 
 
 def _record(tmp_path, cfg: RunConfig) -> RunDir:

@@ -116,6 +116,15 @@ def test_shipped_prefect_servers_bind_to_localhost():
     assert bad == [], "Prefect must stay on 127.0.0.1 (put a reverse proxy with auth in front otherwise): " + str(bad)
 
 
+def test_the_deploy_doc_states_who_the_api_and_the_rendezvous_trust():
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    assert "## Trust model" in doc
+    trust = doc.split("## Trust model", 1)[1].split("\n## ", 1)[0]
+    for needed in ("Prefect API", "job variables", "no authentication", "c10d", "rdzv_endpoint",
+                   "only the cluster's nodes reach", "127.0.0.1"):
+        assert needed in trust, f"docs/deploy.md's trust model no longer says {needed!r}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Credentials
 

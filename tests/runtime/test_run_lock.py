@@ -2,6 +2,7 @@
 
 import json
 import multiprocessing as mp
+import os
 import socket
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import time
 
 import pytest
 
-from specforge_core.loop.run_lock import LOCK_NAME, RunBusyError, RunLock, read_holder
+from specforge_core.errors import ConfigError
+from specforge_core.loop.run_lock import LOCK_NAME, RunBusyError, RunLock, process_start, read_holder
 
 
 def dead_pid() -> int:
@@ -69,7 +71,56 @@ def test_lock_from_another_host_is_never_judged_stale(tmp_path):
     plant(tmp_path, host="some-other-node", pid=1)
     with pytest.raises(RunBusyError) as e:
         RunLock(tmp_path).acquire()
-    assert "some-other-node" in str(e.value) and f"delete {tmp_path / LOCK_NAME}" in str(e.value)
+    assert "some-other-node" in str(e.value) and f"rm {tmp_path / LOCK_NAME}" in str(e.value)
+
+
+def test_a_lock_naming_a_pid_that_another_process_now_has_is_taken_over(tmp_path):
+    """pid 1 is alive, but it is not the process that wrote the lock: that one started at another time."""
+    plant(tmp_path, pid=1, proc_start=process_start(1) + 1)
+    with RunLock(tmp_path, run_id="new") as lock:
+        assert lock.took_over is not None and lock.took_over.pid == 1
+
+
+def test_an_older_lock_naming_pid_1_is_taken_over(tmp_path):
+    """The trial that blocked a directory for good: a lock without the start-time record, naming pid 1."""
+    plant(tmp_path, pid=1, started=time.time() - 10 * 365 * 86400)
+    with RunLock(tmp_path, run_id="new") as lock:
+        assert lock.took_over is not None and lock.took_over.pid == 1
+
+
+def test_an_older_lock_naming_a_pid_that_started_after_it_was_written_is_taken_over(tmp_path):
+    """A lock without the start-time record: a process younger than the lock cannot have written it."""
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as young:
+        try:
+            plant(tmp_path, pid=young.pid, started=time.time() - 3600)
+            with RunLock(tmp_path, run_id="new") as lock:
+                assert lock.took_over is not None and lock.took_over.pid == young.pid
+        finally:
+            young.kill()
+
+
+def test_a_lock_from_an_earlier_boot_of_this_host_is_taken_over(tmp_path):
+    plant(tmp_path, pid=1, boot_id="an-earlier-boot", proc_start=process_start(1))
+    with RunLock(tmp_path, run_id="new") as lock:
+        assert lock.took_over is not None
+
+
+def test_a_live_holder_keeps_its_lock_and_the_error_says_how_to_check_and_take_over(tmp_path):
+    with RunLock(tmp_path, run_id="first") as first:
+        assert first.holder.proc_start == process_start(os.getpid())
+        with pytest.raises(RunBusyError) as e:
+            RunLock(tmp_path, run_id="second").acquire()
+    msg = str(e.value)
+    assert f"ps -o pid,lstart,args -p {os.getpid()}" in msg and f"rm {tmp_path / LOCK_NAME}" in msg
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["is-a-file", "under-a-file"])
+def test_an_output_dir_that_is_a_file_is_refused_naming_the_field(tmp_path, under):
+    (tmp_path / "taken").write_text("not a directory")
+    out = tmp_path / "taken" / "run" if under else tmp_path / "taken"
+    with pytest.raises(ConfigError, match=r"output.dir=.*taken.*: output.dir is an existing file") as e:
+        RunLock(out).acquire()
+    assert "set output.dir to a directory" in str(e.value)
 
 
 def test_unreadable_lock_file_is_treated_as_stale(tmp_path):

@@ -157,6 +157,14 @@ def test_world_size_other_than_the_config_is_refused_naming_the_field(workdir, t
     assert "deployment.nproc_per_node" in err and "1 ranks are launched" in err
 
 
+def test_an_output_dir_that_is_a_file_is_refused_naming_the_field(workdir, tiny_target_dir, capsys):
+    (workdir / "a-file").write_text("not a directory")
+    config = write_config(workdir, "file-as-output", tiny_target_dir, output={"dir": str(workdir / "a-file")})
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "output.dir" in err and "is an existing file" in err and "fix:" in err and "Traceback" not in err
+
+
 def test_recorded_plan_of_another_config_is_refused(workdir, tiny_target_dir, tmp_path):
     cfg = load_config(write_config(workdir, "plan", tiny_target_dir))
     PromptPlan.from_config(cfg, 40, topology=Topology.from_config(cfg)).save(tmp_path / "plan.json")

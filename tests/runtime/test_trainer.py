@@ -6,6 +6,7 @@ in test_train_cli.py.
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -93,7 +94,7 @@ class CrashingBackend:
         return self.backend.capture(request)
 
 
-def build_trainer(d, cfg, crash_at=None, heldout=None):
+def build_trainer(d, cfg, crash_at=None, heldout=None, wall_clock=None):
     backend = build_capture_backend(cfg, rank=d.rank, local_rank=d.local_rank)
     if crash_at is not None:
         backend = CrashingBackend(backend, crash_at)
@@ -110,7 +111,7 @@ def build_trainer(d, cfg, crash_at=None, heldout=None):
 
     trainer = Trainer(cfg, d, plan, draft=draft, objective=probe_objective, derive=probe_derive,
                       open_stream=open_stream, contract=contract, write_draft_files=write_draft_files,
-                      heldout=heldout, echo=False)
+                      heldout=heldout, echo=False, **({"wall_clock": wall_clock} if wall_clock else {}))
     return trainer, streams
 
 
@@ -245,6 +246,71 @@ def test_resume_must_refuses_a_run_without_checkpoints(world_of_one, tiny_target
         trainer.resume()
 
 
+# --- when it saves -----------------------------------------------------------------------------
+
+
+def _saved_steps(run_dir) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
+
+
+def _steps_take(trainer_box: list, seconds_per_step: float):
+    """A wall clock on which every optimizer step of the trainer in ``trainer_box`` takes ``seconds_per_step``."""
+    return lambda: trainer_box[0].step * seconds_per_step
+
+
+def _saves_of_one_rank(d, tiny_target_dir, run_dir, seconds_per_step: float, **training) -> list[int]:
+    """Train the 12-step run on one rank whose steps take ``seconds_per_step``; the steps it saved."""
+    cfg = make_config(tiny_target_dir, run_dir, world_size=1, keep_checkpoints=20, **training)
+    box: list = []
+    trainer, _ = build_trainer(d, cfg, wall_clock=_steps_take(box, seconds_per_step))
+    box.append(trainer)
+    trainer.fit()
+    assert trainer.total_steps == 12
+    return _saved_steps(run_dir)
+
+
+def test_a_run_checkpoints_by_wall_time_without_a_save_interval(world_of_one, tiny_target_dir, tmp_path):
+    """Steps of 25 s, a save every minute: after steps 3, 6 and 9 (75 s each), and at the end."""
+    assert _saves_of_one_rank(world_of_one, tiny_target_dir, tmp_path, 25.0, save_interval=0, save_every_minutes=1) == [3, 6, 9, 12]
+
+
+def test_steps_and_time_both_trigger_a_save_and_each_save_restarts_the_timer(world_of_one, tiny_target_dir, tmp_path):
+    """Steps of 20 s, a save every 4 steps and every 100 s: the step saves at 4 and 8 each restart
+    the timer, so time never triggers one (80 s < 100 s)."""
+    assert _saves_of_one_rank(world_of_one, tiny_target_dir, tmp_path, 20.0, save_interval=4, save_every_minutes=100 / 60) == [4, 8, 12]
+
+
+def test_time_triggers_a_save_between_step_saves(world_of_one, tiny_target_dir, tmp_path):
+    """Steps of 30 s, a save every 5 steps and every 100 s: time at 4 (120 s), steps at 5 and 10,
+    time at 9 (120 s after 5), the end at 12."""
+    assert _saves_of_one_rank(world_of_one, tiny_target_dir, tmp_path, 30.0, save_interval=5, save_every_minutes=100 / 60) == [4, 5, 9, 10, 12]
+
+
+def test_with_time_saves_off_a_run_without_a_save_interval_saves_only_at_the_end(world_of_one, tiny_target_dir, tmp_path):
+    assert _saves_of_one_rank(world_of_one, tiny_target_dir, tmp_path, 3600.0, save_interval=0, save_every_minutes=0) == [12]
+
+
+def test_by_default_a_run_checkpoints_every_30_minutes():
+    assert config_from_dict({}).training.save_every_minutes == 30
+
+
+def _time_save_worker(rank, target_dir, run_dir):
+    d = init_distributed("cpu", timeout_s=60)
+    cfg = make_config(target_dir, run_dir, save_interval=0, save_every_minutes=1, keep_checkpoints=10)
+    box: list = []
+    # only rank 1's clock runs: its steps take 25 s, rank 0's take none
+    trainer, _ = build_trainer(d, cfg, wall_clock=_steps_take(box, 25.0 if rank == 1 else 0.0))
+    box.append(trainer)
+    trainer.fit()
+    return trainer.step
+
+
+def test_ranks_whose_clocks_disagree_save_together(tiny_target_dir, tmp_path):
+    """A save is collective: the rank whose clock says so makes every rank save, nobody hangs."""
+    assert run_ranks(_time_save_worker, 2, str(tiny_target_dir), str(tmp_path), timeout_s=120) == [6, 6]
+    assert _saved_steps(tmp_path) == [3, 6]
+
+
 # --- identities -----------------------------------------------------------------------------------
 
 
@@ -258,8 +324,24 @@ def test_directory_identity_follows_content_not_location(tmp_path):
     assert directory_identity(tmp_path / "a") != directory_identity(tmp_path / "b")
 
 
-def test_directory_identity_sees_a_resized_weight_file(tmp_path):
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
-    before = directory_identity(tmp_path, content_limit=1024)
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 4097)
-    assert directory_identity(tmp_path, content_limit=1024) != before
+def test_directory_identity_sees_same_size_weights_with_other_bytes(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * (4 << 20))
+    before = directory_identity(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"y" * (4 << 20))
+    assert directory_identity(tmp_path) != before
+
+
+def test_a_remembered_digest_is_not_reused_after_a_rewrite_that_restores_mtime(tmp_path):
+    """The memo is keyed on size, mtime, ctime and inode: ``cp -p`` or ``touch -r`` over the weights
+    keeps size and mtime, not the change time."""
+    target, memo = tmp_path / "target", tmp_path / "memo"
+    target.mkdir()
+    weights = target / "model.safetensors"
+    weights.write_bytes(b"x" * 4096)
+    old = weights.stat().st_mtime_ns - 10**10
+    os.utime(weights, ns=(old, old))  # older than the racily-clean window: the digest is remembered
+    before = directory_identity(target, memo_dir=memo)
+    assert list(memo.iterdir()) and directory_identity(target, memo_dir=memo) == before
+    weights.write_bytes(b"y" * 4096)
+    os.utime(weights, ns=(old, old))
+    assert directory_identity(target, memo_dir=memo) != before
