@@ -34,6 +34,7 @@ memory formula.
 
 import contextlib
 import sys
+import time
 
 from specforge_core.cli import command_parser, report_error
 from specforge_core.errors import SpecForgeError
@@ -106,6 +107,7 @@ def train(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
     from specforge_core.runtime.compile import compile_cache
     from specforge_core.runtime.preflight import check_run_inputs
 
+    started = time.monotonic()
     Topology.launched(cfg, d.world_size)  # torchrun's world must be the config's
     checked = check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
     with run_lock(cfg, d), compile_cache(RunDir(cfg.output.dir).compile_cache):
@@ -114,6 +116,8 @@ def train(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
         else:
             inputs = resolve_inputs(cfg, d, checked, plan_path=plan_path)
         trainer, backend = build_training(cfg, d, inputs, checked)
+        print(f"rank {d.rank}/{d.world_size} started on {d.device}: target and draft built in "
+              f"{time.monotonic() - started:.1f} s", flush=True)
         try:
             trainer.fit()
         finally:
