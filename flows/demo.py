@@ -121,7 +121,8 @@ def serve_ui(port: int) -> int:
     from deployments.local_stack import LocalPrefect
 
     home = Path(os.environ["PREFECT_HOME"])
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the server too, as Ctrl-C does
+    for signum in (signal.SIGINT, signal.SIGTERM):  # also where a background start ignores SIGINT
+        signal.signal(signum, _interrupt)
     print(f"starting the Prefect server on http://127.0.0.1:{port} over {home} ...", flush=True)
     with LocalPrefect(home, port=port) as server:
         url = latest_run_url(server.api_url)
