@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -121,6 +122,11 @@ def serve_ui(port: int) -> int:
     from deployments.local_stack import LocalPrefect
 
     home = Path(os.environ["PREFECT_HOME"])
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            print(f"error: 127.0.0.1:{port} is taken (a Prefect server already running?); "
+                  "pick another port: make ui UI_PORT=4300", file=sys.stderr)
+            return 2
     for signum in (signal.SIGINT, signal.SIGTERM):  # also where a background start ignores SIGINT
         signal.signal(signum, _interrupt)
     print(f"starting the Prefect server on http://127.0.0.1:{port} over {home} ...", flush=True)

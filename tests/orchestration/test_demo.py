@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -84,3 +85,14 @@ def test_make_ui_serves_the_demo_database_and_prints_its_runs_page(prefect_api, 
     with pytest.raises(OSError):  # the server stopped with it
         urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=5)
     assert not alive(ui.pid)
+
+
+def test_make_ui_refuses_a_taken_port_and_names_the_fix(capsys):
+    from flows.demo import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["--ui", "--port", str(taken.getsockname()[1])]) == 2
+    err = capsys.readouterr().err
+    assert "is taken" in err and "make ui UI_PORT=" in err
