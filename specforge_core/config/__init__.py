@@ -182,10 +182,6 @@ class DSparkSection(DFlashSection):
     )
     dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing.")
     confidence_head_alpha: float = Field(1.0, ge=0, description="Weight of the confidence head's BCE term.")
-    confidence_threshold: float | None = Field(
-        None, ge=0, lt=1, description="Decoding: stop a chain before the slot whose running product of predicted "
-        "acceptance falls below this; null drafts fixed-length chains."
-    )
 
     @model_validator(mode="after")
     def _heads_fit(self) -> "DSparkSection":

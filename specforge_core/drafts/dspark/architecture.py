@@ -134,12 +134,16 @@ class DSparkDraftModel(DFlashDraftModel):
             hidden = torch.cat([hidden, prev_emb.to(hidden.dtype)], dim=-1)
         return self.confidence_head(hidden)
 
-    def forward(self, noise_embeds, block_positions, attend, *, prev_token_ids: torch.Tensor,
+    def forward(self, noise_embeds, block_positions, attend, *, prev_token_ids: torch.Tensor | None = None,
                 target_hidden=None, context_positions=None, context_kv=None) -> DSparkOutput:
         """The DFlash forward (same arguments) and the heads on whole blocks of ``block_size``
-        slots; ``prev_token_ids [b, Q]``: each slot's previous token (module docstring)."""
+        slots; ``prev_token_ids [b, Q]``: each slot's previous token (module docstring). Without
+        ``prev_token_ids`` only the backbone runs (a decoder, which learns each slot's previous
+        token one slot at a time, runs the heads itself)."""
         hidden = super().forward(noise_embeds, block_positions, attend, target_hidden=target_hidden,
                                  context_positions=context_positions, context_kv=context_kv)
+        if prev_token_ids is None:
+            return DSparkOutput(hidden, None, None)
         b, q, width = hidden.shape
         prev_emb = self.prev_embeddings(prev_token_ids)
         bias = None

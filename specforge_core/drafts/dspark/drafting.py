@@ -12,8 +12,9 @@ backbone once, as ``DFlashDrafter`` does, then walks the drafting slots (all B w
 slot and this walk's own previous token after that (``rnn`` heads carry their state along). The
 chain stops after ``n`` tokens, or (``confidence_threshold`` set and a confidence head present)
 before the first slot whose running product of predicted acceptance probabilities
-``Π_{i≤k} σ(c_i)`` falls below the threshold; at least one token is always proposed. Without a
-threshold the length is fixed at ``n``. Greedy verification keeps the output the target's own
+``Π_{i≤k} σ(c_i)`` falls below the threshold; at least one token is always proposed. The target
+verifies a batch's chains in one forward of one length, so every row proposes the longest length
+any row scheduled (one sequence: exactly its own). Without a threshold the length is fixed at ``n``. Greedy verification keeps the output the target's own
 whatever is proposed.
 """
 
@@ -44,10 +45,11 @@ class DSparkDrafter(DFlashDrafter):
         if not 1 <= num_steps <= self.max_steps:
             raise ValueError(f"a DSpark block drafts 1..{self.max_steps} tokens, asked for {num_steps}")
         draft, W = self.draft, self.lm_head_weight
-        hidden = self.block_hidden(draft.block_size - 1)
+        hidden = self.block_hidden(draft.block_size - 1).hidden
         prev, state = self.pending, None
         tokens, running = [], torch.ones(len(prev), device=self.device)
         stopped = torch.zeros(len(prev), dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(len(prev), dtype=torch.long, device=self.device)
         for k in range(self.first_slot, self.first_slot + num_steps):
             h = hidden[:, k]
             logits = (h.to(W.dtype) @ W.T).float()
@@ -57,12 +59,12 @@ class DSparkDrafter(DFlashDrafter):
                 logits = logits + draft.markov_head.markov_w2(features).float()
             token = logits.argmax(-1)
             confidence = draft.confidence(h, emb)
-            if self.confidence_threshold is not None and confidence is not None and tokens:
+            if self.confidence_threshold is not None and confidence is not None:
                 running = running * confidence.float().sigmoid()
-                stopped |= running < self.confidence_threshold
-            elif self.confidence_threshold is not None and confidence is not None:
-                running = confidence.float().sigmoid()
-            tokens.append(torch.where(stopped, -1, token))
+                if tokens:  # the first slot is always proposed
+                    stopped |= running < self.confidence_threshold
+            tokens.append(token)
+            lengths = lengths + (~stopped).long()
             prev = token
-        rows = torch.stack(tokens, dim=1).tolist()
-        return [[t for t in row if t >= 0] for row in rows]
+        # one verify forward takes chains of one length: the longest any row scheduled
+        return torch.stack(tokens, dim=1)[:, : int(lengths.max())].tolist()
