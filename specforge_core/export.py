@@ -54,13 +54,13 @@ def export(checkpoint: str, out: str, dtype: str = "keep", *, fmt: str = "sglang
         if not callable(getattr(family, "export_speculators", None)):
             raise ConfigError(f"the {family.name} family has no speculators export", where="--format",
                               fix="use --format sglang (vLLM loads it as it is)")
-        written = family.export_speculators(model, out, target_dir=target, verifier=verifier, dtype=dtype,
-                                            speculative_tokens=3 if speculative_tokens is None else speculative_tokens)
+        tokens = {} if speculative_tokens is None else {"speculative_tokens": speculative_tokens}
+        written = family.export_speculators(model, out, target_dir=target, verifier=verifier, dtype=dtype, **tokens)
         config = json.loads((written / "config.json").read_text())
         tensors = len(model.draft_state_dict()) + 1  # the target's embedding rides along
         result.update(verifier=config["speculators_config"]["verifier"]["name_or_path"],
                       speculative_tokens=config["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
-                      vllm_layer_ids=config["eagle_aux_hidden_state_layer_ids"])
+                      vllm_layer_ids=config.get("eagle_aux_hidden_state_layer_ids", config.get("aux_hidden_state_layer_ids")))
     result.update(out=str(written), dtype=json.loads((written / "config.json").read_text())["torch_dtype"],
                   keys=tensors, capture_layer_ids=family.trained_layer_ids(model.config))
     return result

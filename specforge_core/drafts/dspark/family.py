@@ -133,6 +133,13 @@ class DSparkFamily(DFlashFamily):
     def load_export(self, directory) -> DSparkDraftModel:
         return files.load_exported_dspark(directory)
 
+    def export_speculators(self, draft, out_dir, *, target_dir, verifier=None, speculative_tokens=None,
+                           dtype: str = "keep"):
+        from specforge_core.drafts.dspark.speculators_format import export_dspark_speculators
+
+        return export_dspark_speculators(draft, out_dir, target_dir=target_dir, verifier=verifier,
+                                         speculative_tokens=speculative_tokens, dtype=dtype)
+
     # ---- decoding ----------------------------------------------------------------------------------
 
     def drafter(self, draft, target_model):

@@ -45,6 +45,18 @@ def reference_model(draft, *, embed_weight, lm_head_weight, norm_weight, verifie
     return model.eval()
 
 
+def use_eager_attention(model):
+    """A loaded speculators DFlash-family model switched to eager attention and a float mask
+    (what ``reference_model`` builds it with), so it runs on the CPU."""
+    from speculators.models.attention import create_float_mask
+
+    model.config.transformer_layer_config._attn_implementation = "eager"
+    model._attn_impl, model._create_mask_fn = "eager", create_float_mask
+    for layer in model.layers:
+        layer.self_attn.config._attn_implementation = "eager"
+    return model
+
+
 @contextmanager
 def recorded(anchors: torch.Tensor):
     """Run the reference with ``anchors`` and record ``compute_metrics``' inputs."""
