@@ -30,7 +30,7 @@ def objective_settings(section) -> ObjectiveSettings:
 
 class DSparkFamily(DFlashFamily):
     name = "dspark"
-    architectures = ("DSparkDraftModel",)
+    architectures = (settings.ARCHITECTURE,)
     captures_last_hidden = True  # the teacher: the target's next-token distributions
 
     # ---- configuration ---------------------------------------------------------------------------

@@ -4,9 +4,9 @@
     again = load_exported_dspark(out)                 # bit-identical outputs
     draft = warm_start_dspark(out, run_config)        # refuses a draft made for other settings
 
-An export is ``config.json`` (the DFlash fields, ``architectures: ["DSparkDraftModel"]`` and
-``dspark_config``) and ``model.safetensors`` holding DFlash's serving keys plus the heads'
-(``markov_head.markov_w1.weight`` ``[V, r]``, ``markov_head.markov_w2.weight`` ``[V, r]``, the
+An export is ``config.json`` (the DFlash fields, ``architectures: ["Qwen3DSparkModel"]`` and
+the DSpark fields: ``settings.dspark_config_to_dict``) and ``model.safetensors`` holding DFlash's
+serving keys plus the heads' (``markov_head.markov_w1.weight`` ``[V, r]``, ``markov_head.markov_w2.weight`` ``[V, r]``, the
 ``gate_proj`` or ``joint_proj`` weight and bias of a gated or rnn head,
 ``confidence_head.proj.{weight,bias}``). A missing, unexpected or misshapen key is refused before
 anything is written; directories are written atomically. vLLM's layout is ``speculators_format``.

@@ -6,7 +6,9 @@
 
 A DSpark config is the DFlash ``Qwen3Config`` (``drafts.dflash.config``: width, attention layout,
 RoPE, ``block_size``, ``dflash_config{target_layer_ids, mask_token_id}``) with
-``architectures: ["DSparkDraftModel"]`` and a ``dspark_config`` dict:
+``architectures: ["Qwen3DSparkModel"]`` (the name SGLang and vLLM load DSpark drafts by) and a
+``dspark_config`` dict (its JSON form repeats these fields at the top level, where vLLM and
+SGLang's confidence head read them):
 
 - ``markov_rank`` (256; 0 disables the Markov head): rank r of the logit bias ``W2 · W1[prev]``;
 - ``markov_head_type`` (``vanilla``): ``vanilla`` (first-order bias from the previous token),
@@ -36,7 +38,7 @@ from specforge_core.drafts.dflash.config import (
 )
 from specforge_core.errors import ConfigError, ModelError
 
-ARCHITECTURE = "DSparkDraftModel"
+ARCHITECTURE = "Qwen3DSparkModel"  # the class SGLang and vLLM register for DSpark drafts
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 DEFAULTS = {
     "markov_rank": 256,
@@ -105,10 +107,12 @@ def _with_dspark(config: Qwen3Config, dspark: dict) -> Qwen3Config:
 
 
 def dspark_config_to_dict(config: Qwen3Config) -> dict:
-    """The JSON form: DFlash's (``dflash_config_to_dict``) with the DSpark architecture and fields."""
+    """The JSON form: DFlash's (``dflash_config_to_dict``) with the DSpark architecture and fields
+    (in ``dspark_config`` and at the top level)."""
     out = dflash_config_to_dict(config)
     out["architectures"] = [ARCHITECTURE]
     out["dspark_config"] = dspark_fields(config)
+    out.update(dspark_fields(config))
     return out
 
 
@@ -119,6 +123,8 @@ def dspark_config_from_dict(data: dict, where: str = "draft config") -> Qwen3Con
     if dspark is None:
         raise ModelError("no dspark_config in a DSpark draft config", where=where,
                          fix="point at a DSpark draft (exported or saved by this trainer)")
+    for key in DEFAULTS:
+        data.pop(key, None)  # the top-level copies
     data["architectures"] = [ARCHITECTURE]
     return _with_dspark(dflash_config_from_dict(data, where), dspark)
 

@@ -33,7 +33,8 @@ def speculators_config(config, *, verifier: str, verifier_architectures: list[st
                        dtype: str) -> dict:
     """The speculators ``config.json`` of a DSpark draft config."""
     layer = dspark_config_to_dict(config)
-    for key in ("dspark_config", "dflash_config", "block_size", "num_target_layers", "architectures"):
+    for key in ("dspark_config", "dflash_config", "block_size", "num_target_layers", "architectures",
+                *dspark_fields(config)):
         layer.pop(key)
     layer.update(torch_dtype=dtype, dtype=dtype)
     return {

@@ -25,7 +25,11 @@ def test_our_export_reloads_every_tensor_and_refuses_a_mismatched_warm_start(tmp
     draft = tiny_dspark(1, markov_head_type="gated")
     out = export_dspark(draft, tmp_path / "export", dtype="bfloat16")
     again = load_exported_dspark(out)
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["DSparkDraftModel"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"]  # SGLang's and vLLM's class
+    # SGLang reads the head fields from dspark_config, vLLM (and SGLang's confidence head) at the top level
+    assert config["dspark_config"]["markov_head_type"] == config["markov_head_type"] == "gated"
+    assert config["enable_confidence_head"] and config["dflash_config"]["mask_token_id"] == 255
     mine = {k: v.to(torch.bfloat16) for k, v in draft.draft_state_dict().items()}
     assert mine.keys() == again.draft_state_dict().keys()
     assert all(torch.equal(mine[k], again.draft_state_dict()[k]) for k in mine)

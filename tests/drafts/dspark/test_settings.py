@@ -37,7 +37,7 @@ def test_config_round_trips_through_json(tmp_path):
     save_dspark_config(config, tmp_path / "c.json")
     again = load_dspark_config(tmp_path / "c.json")
     assert dspark_config_to_dict(again) == dspark_config_to_dict(config)
-    assert again.architectures == ["DSparkDraftModel"] and dspark_fields(again)["markov_head_type"] == "rnn"
+    assert again.architectures == ["Qwen3DSparkModel"] and dspark_fields(again)["markov_head_type"] == "rnn"
 
 
 @pytest.mark.parametrize("fields, where", [
@@ -77,4 +77,4 @@ def test_objective_settings_refuse_unknown_terms():
 
 def test_the_family_is_registered():
     family = get_family("dspark")
-    assert family.architectures == ("DSparkDraftModel",) and family.captures_last_hidden
+    assert family.architectures == ("Qwen3DSparkModel",) and family.captures_last_hidden
