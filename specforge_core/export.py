@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
     ap.add_argument("--dtype", default="keep", choices=["keep", *DTYPES], help="weights dtype (default: as trained)")
     ap.add_argument("--format", default="sglang", choices=FORMATS,
-                    help="sglang (default; SGLang and vLLM load it) or speculators (vLLM's native layout, EAGLE3)")
+                    help="sglang (default; SGLang and vLLM load it) or speculators (vLLM's native layout; EAGLE3, DSpark)")
     ap.add_argument("--target", help="speculators: the local target directory (embedding, architectures)")
     ap.add_argument("--verifier", help="speculators: the target's name or path written into the config "
                     "(default: --target)")
