@@ -18,6 +18,8 @@ out, dtype, number of tensors, capture layer ids. docs/export.md.
 import json
 import sys
 
+from safetensors import safe_open
+
 from specforge_core.cli import command_parser, run_command
 from specforge_core.drafts import family_of_files
 from specforge_core.errors import ConfigError
@@ -57,7 +59,8 @@ def export(checkpoint: str, out: str, dtype: str = "keep", *, fmt: str = "sglang
         tokens = {} if speculative_tokens is None else {"speculative_tokens": speculative_tokens}
         written = family.export_speculators(model, out, target_dir=target, verifier=verifier, dtype=dtype, **tokens)
         config = json.loads((written / "config.json").read_text())
-        tensors = len(model.draft_state_dict()) + 1  # the target's embedding rides along
+        with safe_open(str(written / "model.safetensors"), framework="pt") as f:
+            tensors = len(list(f.keys()))  # EAGLE3's carries the target's embedding too
         result.update(verifier=config["speculators_config"]["verifier"]["name_or_path"],
                       speculative_tokens=config["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
                       vllm_layer_ids=config.get("eagle_aux_hidden_state_layer_ids", config.get("aux_hidden_state_layer_ids")))

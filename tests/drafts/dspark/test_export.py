@@ -65,6 +65,7 @@ def test_speculators_loads_the_export_and_computes_our_loss(tmp_path, tiny_targe
                  "--target", str(tiny_target_dir)]) == 0
     line = json.loads(capsys.readouterr().out)
     assert line["vllm_layer_ids"] == [2, 5] and line["speculative_tokens"] == BLOCK
+    assert line["keys"] == len(draft.draft_state_dict())  # no embedding rides along
 
     model = SpeculatorModel.from_pretrained(out)
     assert type(model) is TheirDSpark
