@@ -80,12 +80,13 @@ def recorded(anchors: torch.Tensor):
 
 def run_reference(model, anchors, *, aux, input_ids, loss_mask, pre_norm_last, document_ids, position_ids,
                   loss_terms, gamma, per_position_loss_weight="fixed-exp-decay", dpace_alpha=0.5,
-                  confidence_head_alpha=1.0):
-    """``(loss, metrics, recorded inputs of compute_metrics)`` of one packed ``[1, T]`` row."""
+                  confidence_head_alpha=1.0, grad=False):
+    """``(loss, metrics, recorded inputs of compute_metrics)`` of one packed ``[1, T]`` row
+    (``grad``: keep the autograd graph)."""
     from speculators.losses import eager
 
     loss_config = {name: (getattr(eager, f"{name}_loss"), float(w)) for name, w in loss_terms.items()}
-    with recorded(anchors) as seen, torch.no_grad():
+    with recorded(anchors) as seen, torch.set_grad_enabled(grad):
         _, loss, metrics = model(
             hidden_states=aux, input_ids=input_ids, loss_mask=loss_mask, verifier_last_hidden_states=pre_norm_last,
             document_ids=document_ids, position_ids=position_ids, loss_config=loss_config,

@@ -199,3 +199,24 @@ def test_blocks_stop_at_the_sample_boundary(captured):
     assert torch.equal(ref_mask - slots.mask, (crosses & (ref_mask > 0)).float())
     same = slots.mask > 0
     assert _rel(slots.logits[same], seen["logits"].view(-1, BLOCK, seen["logits"].shape[-1])[same]) <= 1e-5
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
+def test_gradients_equal_speculators(captured, head_type):
+    """The gradient of every draft parameter (backbone and heads) of our loss divided by Σ m equals
+    that of speculators' loss."""
+    draft = _draft(captured, 7, markov_rank=32, markov_head_type=head_type)
+    settings = ObjectiveSettings(loss_terms={"kl_div": 0.5, "tv": 0.5})
+    loss, sums = dspark_loss(draft, captured["ours"], embed_weight=captured["embed"], lm_head_weight=captured["head"],
+                             num_anchors=6, settings=settings, generator=torch.Generator().manual_seed(2), backend="sdpa")
+    (loss / sums["weight_sum"].float()).backward()
+    slots = draft_slots(draft, captured["ours"], embed_weight=captured["embed"], lm_head_weight=captured["head"],
+                        num_anchors=6, generator=torch.Generator().manual_seed(2), backend="sdpa")
+    ref = reference_model(draft, embed_weight=captured["embed"], lm_head_weight=captured["head"],
+                          norm_weight=captured["norm"], verifier_dir=captured["dir"]).train()
+    ref_loss, _, _ = run_reference(ref, slots.blocks.anchor_col[slots.blocks.keep], **_reference_inputs(captured),
+                                   loss_terms=settings.loss_terms, gamma=settings.gamma, grad=True)
+    ref_loss.backward()
+    theirs = dict(ref.named_parameters())
+    worst = {name: _rel(p.grad, theirs[name].grad) for name, p in draft.named_parameters()}
+    assert max(worst.values()) <= 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
