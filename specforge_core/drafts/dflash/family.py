@@ -86,7 +86,7 @@ class DFlashFamily:
         (``8H + 2·kv + 3I`` values) and its embedding, final norm and head inputs (``2H``); every
         context token's ``fc`` and ``hidden_norm`` outputs (``2H``) and its keys and values in every
         layer (``2·kv`` each); and the target-head cross-entropy's fp32 ``[2048, V]`` chunk with its
-        gradient (``objective.target_cross_entropy``)."""
+        gradient (``fast.chunked_ce.target_cross_entropy``)."""
         c = 2 if cfg.training.param_dtype == "bfloat16" else 4  # bytes per value of the compute dtype
         d = cfg.draft.dflash
         h, i, layers = draft_config.hidden_size, draft_config.intermediate_size, draft_config.num_hidden_layers

@@ -12,8 +12,8 @@ from specforge_core.drafts.dflash.objective import (
     build_blocks,
     dflash_loss,
     summarize_dflash_metrics,
-    target_cross_entropy,
 )
+from specforge_core.drafts.dflash.fast.chunked_ce import target_cross_entropy
 from specforge_core.errors import ConfigError, ModelError
 from tests.drafts.dflash.fixtures import (
     MASK,
