@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from specforge_core.capture.target_info import text_config
+from specforge_core.drafts.dflash import dflash2
 from specforge_core.drafts.dflash import draft_config as configs
 from specforge_core.drafts.dflash import serving
 from specforge_core.drafts.dflash.model import DFlashDraftModel
@@ -31,9 +32,16 @@ def batch_generator(seed: int, task_ids) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
+def dflash2_run_fields(section) -> dict | None:
+    """The DFlash2 fields of a run config's ``draft.dflash`` section (None when ``dflash2`` is off)."""
+    if not section.dflash2:
+        return None
+    return {name: getattr(section, name) for name in dflash2.DEFAULTS}
+
+
 class DFlashFamily:
     name = "dflash"
-    architectures = ("DFlashDraftModel",)
+    architectures = ("DFlashDraftModel", "DFlash2DraftModel")
     uses_vocab_map = False
     captures_last_hidden = False
     loss_is_sum = True
@@ -74,6 +82,7 @@ class DFlashFamily:
         return configs.dflash_config_from_target(
             target_config, block_size=d.block_size, num_layers=d.num_layers, target_layer_ids=list(layer_ids),
             mask_token_id=mask, layer_types=d.layer_types, sliding_window=d.sliding_window,
+            dflash2_fields=dflash2_run_fields(d),
         )
 
     def tokenizer_token_ids(self, cfg) -> tuple[str, ...]:
@@ -98,7 +107,10 @@ class DFlashFamily:
 
     def contract_fields(self, cfg) -> dict:
         d = cfg.draft.dflash
-        return {"dflash.num_anchors": d.num_anchors, "dflash.loss_decay_gamma": d.loss_decay_gamma}
+        fields = {"dflash.num_anchors": d.num_anchors, "dflash.loss_decay_gamma": d.loss_decay_gamma}
+        if d.dflash2:
+            fields["dflash.selector_loss_alpha"] = d.selector_loss_alpha
+        return fields
 
     def serving_config(self, config) -> dict:
         return configs.dflash_config_to_dict(config)
@@ -127,6 +139,7 @@ class DFlashFamily:
                 draft, batch, embed_weight=embed, lm_head_weight=head, block_size=draft.config.block_size,
                 num_anchors=d.num_anchors, loss_decay_gamma=d.loss_decay_gamma,
                 generator=batch_generator(seed, getattr(batch, "task_ids", ())), backend=backend_name,
+                selector_loss_alpha=d.selector_loss_alpha,
             )
 
         return loss

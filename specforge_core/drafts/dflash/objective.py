@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specforge_core.drafts.dflash import dflash2
 from specforge_core.drafts.dflash.model import dense_attend
 from specforge_core.errors import ConfigError, ModelError
 
@@ -398,6 +399,7 @@ def dflash_loss(
     generator: torch.Generator | None,
     backend: str = "auto",
     ce_chunk_rows: int = 2048,
+    selector_loss_alpha: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, sums)`` of one micro-batch (module docstring): ``loss`` = Σ w·CE, the numerator
     (fp32 scalar with grad; divide the gradients by the global Σ w, ``sums["weight_sum"]``
@@ -407,7 +409,9 @@ def dflash_loss(
     gradient reaches them). ``generator`` draws the anchors (``anchor_generator``; None: the
     global CPU RNG). The draft is used only through its forward (FSDP2-safe); every rank runs
     that forward even when its batch has no anchor (one padding block), so collectives match.
-    Raises ConfigError for invalid objective settings and ModelError for a malformed batch.
+    A DFlash2 draft adds ``selector_loss_alpha`` times its selector's numerator and sums
+    (``dflash2.selector_objective``). Raises ConfigError for invalid objective settings and
+    ModelError for a malformed batch.
     """
     _check_args(draft, block_size, num_anchors, loss_decay_gamma)
     _check_batch(batch, draft, embed_weight, lm_head_weight)
@@ -422,17 +426,25 @@ def dflash_loss(
         attend = flex_attend(blocks, draft.layer_types, draft.sliding_window)
     b, nb, size = blocks.tokens.shape
     embeds = F.embedding(blocks.tokens.flatten(1), embed_weight.detach())
-    hidden = draft(embeds, blocks.positions, attend, target_hidden=aux, context_positions=blocks.ctx_pos)
+    rows = torch.nonzero(blocks.valid.flatten()).flatten()
+    query = dflash2.selector_query(draft, blocks, rows, lm_head_weight)
+    hidden = draft(embeds, blocks.positions, attend, target_hidden=aux, context_positions=blocks.ctx_pos,
+                   **({} if query is None else {"selector_query": query}))
+    if query is not None:
+        hidden, selected = hidden
     k = torch.arange(size, device=ids.device)
     decay = torch.ones(size, device=ids.device, dtype=torch.float64)
     if loss_decay_gamma is not None:
         decay = torch.exp(-(k - 1).clamp(min=0).double() / loss_decay_gamma)
     weight64 = blocks.valid.double() * decay
     weight = weight64.float()
-    rows = torch.nonzero(blocks.valid.flatten()).flatten()
     ce, pred = target_cross_entropy(hidden.flatten(0, 1)[rows], lm_head_weight, blocks.labels.flatten()[rows],
                                     ce_chunk_rows)
     loss = (ce * weight.flatten()[rows]).sum()
+    if query is not None:
+        extra, selector_sums = dflash2.selector_objective(selected, weight.flatten()[rows], blocks, rows,
+                                                          selector_loss_alpha)
+        loss = loss + extra
     with torch.no_grad():
         hit = torch.zeros(b * nb * size, dtype=torch.bool, device=ids.device)
         hit[rows] = pred == blocks.labels.flatten()[rows]
@@ -447,6 +459,8 @@ def dflash_loss(
             "ce_sum": ce_grid[..., 1:].sum((0, 1)),
             "accept_reach": torch.cat([blocks.keep.sum().view(1), reach]),
         }
+        if query is not None:
+            sums.update(selector_sums)
     return loss, {key: value.double() for key, value in sums.items()}
 
 
@@ -473,4 +487,4 @@ def summarize_dflash_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
         out[f"accept_rate_{i}"] = ratio(reach[i + 1], reach[i])
     out["simulated_accept_length"] = ratio(reach.sum(), reach[0])
     out["blocks"] = float(reach[0])
-    return out
+    return out | dflash2.summarize_selector_metrics(sums)
