@@ -196,8 +196,8 @@ def run_ours(draft, batch, E, W, gamma, num_anchors=3):
     return loss, sums, blocks, captured
 
 
-def check_against_speculators(draft, batch, E, W, gamma):
-    loss, sums, blocks, captured = run_ours(draft, batch, E, W, gamma)
+def check_against_speculators(draft, batch, E, W, gamma, num_anchors=3):
+    loss, sums, blocks, captured = run_ours(draft, batch, E, W, gamma, num_anchors)
     scores, _, label, _ = captured["selected"]
     ours_ce = torch.nn.functional.cross_entropy(scores, label, reduction="none")
     per_pos, valid, metrics = speculators_selector_terms(draft, captured["hidden"], W, blocks.valid, blocks.labels,
@@ -217,10 +217,13 @@ def check_against_speculators(draft, batch, E, W, gamma):
 
 
 def test_selector_loss_and_metrics_equal_speculators_on_random_batches():
-    draft = tiny_dflash2(5)
+    """top_k 128 of 256: targets both inside the unary top-k and injected, some picks correct."""
+    draft = tiny_dflash2(5, top_k=128)
     E, W = target_weights(5)
-    samples = random_samples(5, [11, 9, 14])
-    check_against_speculators(draft, packed_batch(samples, [[0, 1], [2]]), E, W, gamma=4.0)
+    samples = random_samples(5, [21, 19, 24])
+    _, sums, _ = check_against_speculators(draft, packed_batch(samples, [[0, 1], [2]]), E, W, gamma=4.0,
+                                           num_anchors=6)
+    assert 0 < sums["selector_recall"].sum() < sums["total"].sum() and sums["selector_correct"].sum() > 0
 
 
 def test_the_loss_adds_alpha_times_the_selector_numerator_and_every_parameter_gets_a_gradient():
@@ -311,3 +314,54 @@ def test_selector_equals_speculators_on_a_smollm2_batch(smollm2_dir):
              "loss_mask": enc["attention_mask"].clone(), "aux_hidden": aux}
     _, _, per_pos = check_against_speculators(draft, batch, E, W, gamma=7.0)
     assert per_pos.numel() > 20
+
+
+def test_speculative_decoding_with_a_dflash2_drafter_is_lossless():
+    from transformers import Qwen3ForCausalLM
+
+    from specforge_core.decoding.speculative import DecodingTarget, decode_batch
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(target_config()).eval()
+    draft = tiny_dflash2(9).eval()
+    drafter = DFlashDrafter(draft, embed_weight=model.get_input_embeddings().weight,
+                            lm_head_weight=model.lm_head.weight)
+    target = DecodingTarget(model, list(draft.target_layer_ids))
+    prompts = [[3, 17, 42, 9, 100], [7, 7, 1]]
+    spec = decode_batch(target, prompts, max_new_tokens=12, stop_ids=set(), drafter=drafter, num_steps=3)
+    plain = decode_batch(target, prompts, max_new_tokens=12, stop_ids=set())
+    assert [g.tokens for g in spec] == [g.tokens for g in plain]
+
+
+def test_a_fully_sharded_dflash2_draft_gives_the_unsharded_loss_and_gradients(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        E, W = target_weights(10)
+        batch = packed_batch(random_samples(10, [9, 6, 11]), [[0, 1], [2]])
+
+        def loss_and_grads(draft):
+            loss, sums = dflash_loss(draft, batch, embed_weight=E, lm_head_weight=W, block_size=4, num_anchors=3,
+                                     loss_decay_gamma=4.0, generator=torch.Generator().manual_seed(0),
+                                     backend="sdpa")
+            loss.backward()
+            return loss.item(), sums, {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                                       for n, p in draft.named_parameters()}
+
+        loss, sums, grads = loss_and_grads(tiny_dflash2(10))
+        sharded = tiny_dflash2(10)
+        for layer in sharded.layers:
+            fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        sharded_loss, sharded_sums, sharded_grads = loss_and_grads(sharded)
+        assert abs(sharded_loss - loss) <= 1e-6 * abs(loss)
+        assert torch.equal(sums["selector_correct"], sharded_sums["selector_correct"])
+        for name in grads:
+            torch.testing.assert_close(sharded_grads[name], grads[name], rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
