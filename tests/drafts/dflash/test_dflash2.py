@@ -365,3 +365,19 @@ def test_a_fully_sharded_dflash2_draft_gives_the_unsharded_loss_and_gradients(tm
             torch.testing.assert_close(sharded_grads[name], grads[name], rtol=1e-5, atol=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_few_optimizer_steps_lower_the_dflash2_loss_on_a_fixed_batch():
+    draft = tiny_dflash2(11, top_k=16)
+    E, W = target_weights(11)
+    batch = packed_batch(random_samples(11, [16, 12]), [[0], [1]])
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss, sums = dflash_loss(draft, batch, embed_weight=E, lm_head_weight=W, block_size=4, num_anchors=4,
+                                 loss_decay_gamma=4.0, generator=torch.Generator().manual_seed(0), backend="sdpa")
+        optimizer.zero_grad()
+        (loss / sums["weight_sum"].float()).backward()
+        optimizer.step()
+        losses.append(float(loss / sums["weight_sum"]))
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.8 * losses[0], losses
