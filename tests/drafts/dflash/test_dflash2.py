@@ -141,6 +141,25 @@ def test_layer_convolutions_equal_speculators_modules_with_the_same_weights():
     torch.testing.assert_close(conv.finish(x, mk), theirs.finish(x, rk))
 
 
+def test_a_dflash2_layer_equals_speculators_decoder_layer_with_the_same_weights():
+    """One block of 8 after 5 context rows, full attention, float64 (speculators' eager attention
+    takes its softmax in fp32 and HF's RMSNorm computes in fp32, hence 1e-5 relative)."""
+    from specforge_core.drafts.dflash.model import Context
+
+    draft = tiny_dflash2(12, block_size=8).double()
+    draft.config._attn_implementation = "eager"
+    theirs = speculators_dflash2.Qwen3DFlash2DecoderLayer(draft.config, 0, block_size=8, conv_kernel_size=2,
+                                                          conv_group_size=16).double()
+    theirs.load_state_dict(draft.layers[0].state_dict(), strict=True)
+    g = torch.Generator().manual_seed(0)
+    ctx, z = torch.randn(1, 5, 64, generator=g).double(), torch.randn(1, 8, 64, generator=g).double()
+    cos, sin = draft.rotary_emb(ctx, torch.arange(13)[None])
+    attend = lambda lt, q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    ours = draft.layers[0](z, cos[:, 5:], sin[:, 5:], Context(ctx=ctx, cos=cos[:, :5], sin=sin[:, :5]), attend)
+    ref = theirs(target_hidden=ctx, hidden_states=z, attention_mask=None, position_embeddings=(cos, sin))
+    assert float((ours - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 # ---- selector and objective vs speculators ---------------------------------------------------------
 
 
