@@ -181,13 +181,41 @@ def training_candidates(candidate_ids: torch.Tensor, target_ids: torch.Tensor):
     return ids, label, contains
 
 
+class _CandidateLogits(torch.autograd.Function):
+    """``logits[r, k] = hidden[r] · W[ids[r, k]]`` for a frozen head ``W``, a chunk of rows at a
+    time in both directions, so the ``[rows, K, H]`` gathered head rows never exist whole and
+    nothing but ``hidden``'s inputs is kept for backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, chunk):
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.chunk, ctx.hidden_dtype = weight, chunk, hidden.dtype
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        parts = [torch.einsum("rh,rkh->rk", h.to(dtype), weight[i].to(dtype))
+                 for h, i in zip(hidden.split(chunk), ids.split(chunk))]
+        return torch.cat(parts) if parts else hidden.new_zeros(0, ids.shape[-1], dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        parts = [torch.einsum("rk,rkh->rh", g, ctx.weight[i].to(g.dtype))
+                 for g, i in zip(grad.split(ctx.chunk), ids.split(ctx.chunk))]
+        return torch.cat(parts).to(ctx.hidden_dtype), None, None, None
+
+
+def candidate_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, candidate_ids: torch.Tensor,
+                     chunk_rows: int = 2048) -> torch.Tensor:
+    """The target-head logits ``[R, K]`` (at least fp32) of ``candidate_ids`` at ``hidden [R, H]``,
+    with gradient to ``hidden`` only (the head is frozen)."""
+    return _CandidateLogits.apply(hidden, lm_head_weight.detach(), candidate_ids, chunk_rows)
+
+
 def candidate_scores(selector: CandidateSelector, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                      predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
     """Selector scores ``[R, K]``: the unary logits of ``candidate_ids [R, K]`` (at least fp32,
     with gradient to ``hidden [R, H]``) plus the transition scores."""
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
-    unary = torch.einsum("rh,rkh->rk", hidden.to(dtype), lm_head_weight.detach()[candidate_ids].to(dtype))
-    return unary + selector(hidden, predecessor_ids, candidate_ids).to(dtype)
+    unary = candidate_logits(hidden, lm_head_weight, candidate_ids)
+    return unary + selector(hidden, predecessor_ids, candidate_ids).to(unary.dtype)
 
 
 def select_tokens(selector: CandidateSelector, hidden: torch.Tensor, lm_head_weight: torch.Tensor,

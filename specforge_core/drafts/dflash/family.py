@@ -95,7 +95,10 @@ class DFlashFamily:
         (``8H + 2·kv + 3I`` values) and its embedding, final norm and head inputs (``2H``); every
         context token's ``fc`` and ``hidden_norm`` outputs (``2H``) and its keys and values in every
         layer (``2·kv`` each); and the target-head cross-entropy's fp32 ``[2048, V]`` chunk with its
-        gradient (``objective.target_cross_entropy``)."""
+        gradient (``objective.target_cross_entropy``). DFlash2 adds per query four convolutions per
+        layer (input, kernels and output: ``4·(2H + 2·K_conv·G)``) and the selector's fp32 scores and
+        gathered codebook rows (``top_k · (3·rank + 2)``), plus one fp32 ``[2048, top_k, H]`` chunk
+        of candidate head rows."""
         c = 2 if cfg.training.param_dtype == "bfloat16" else 4  # bytes per value of the compute dtype
         d = cfg.draft.dflash
         h, i, layers = draft_config.hidden_size, draft_config.intermediate_size, draft_config.num_hidden_layers
@@ -103,7 +106,14 @@ class DFlashFamily:
         queries = samples * min(d.num_anchors, -(-tokens // samples)) * draft_config.block_size
         per_query = (layers * (8 * h + 2 * kv + 3 * i) + 2 * h) * c
         per_context = (2 * h + layers * 2 * kv) * c
-        return queries * per_query + tokens * per_context + 2 * 2048 * draft_config.vocab_size * 4
+        total = queries * per_query + tokens * per_context + 2 * 2048 * draft_config.vocab_size * 4
+        extra = configs.dflash2_of(draft_config)
+        if extra is not None:
+            groups, top_k = h // extra["conv_group_size"], extra["selector_top_k"]
+            conv = layers * 4 * (2 * h + 2 * extra["conv_kernel_size"] * groups) * c
+            selector = top_k * (3 * extra["selector_rank"] + 2) * 4
+            total += queries * (conv + selector) + 2048 * top_k * h * 4
+        return total
 
     def contract_fields(self, cfg) -> dict:
         d = cfg.draft.dflash

@@ -160,6 +160,19 @@ def test_a_dflash2_layer_equals_speculators_decoder_layer_with_the_same_weights(
     assert float((ours - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
+def test_chunked_candidate_logits_equal_a_plain_gather_and_its_gradient():
+    g = torch.Generator().manual_seed(13)
+    hidden = torch.randn(7, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight, ids = torch.randn(40, 16, generator=g, dtype=torch.float64), torch.randint(0, 40, (7, 5), generator=g)
+    upstream = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    (dflash2.candidate_logits(hidden, weight, ids, chunk_rows=3) * upstream).sum().backward()
+    mine, hidden.grad = hidden.grad, None
+    plain = torch.einsum("rh,rkh->rk", hidden, weight[ids])
+    torch.testing.assert_close(dflash2.candidate_logits(hidden, weight, ids, chunk_rows=3), plain)
+    (plain * upstream).sum().backward()
+    torch.testing.assert_close(mine, hidden.grad)
+
+
 # ---- selector and objective vs speculators ---------------------------------------------------------
 
 
@@ -400,3 +413,17 @@ def test_a_few_optimizer_steps_lower_the_dflash2_loss_on_a_fixed_batch():
         optimizer.step()
         losses.append(float(loss / sums["weight_sum"]))
     assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.8 * losses[0], losses
+
+
+def test_the_memory_estimate_counts_the_convolutions_and_the_selector():
+    from types import SimpleNamespace
+
+    from specforge_core.drafts.dflash.family import FAMILY
+
+    cfg = SimpleNamespace(training=SimpleNamespace(param_dtype="bfloat16"),
+                          draft=SimpleNamespace(dflash=SimpleNamespace(num_anchors=512)))
+    plain = dflash_config_from_target(target_config(), block_size=4, target_layer_ids=[1, 3], mask_token_id=MASK)
+    two = dflash_config_from_target(target_config(), block_size=4, target_layer_ids=[1, 3], mask_token_id=MASK,
+                                    dflash2_fields={})
+    base = FAMILY.activation_bytes(cfg, plain, tokens=1024, samples=2)
+    assert FAMILY.activation_bytes(cfg, two, tokens=1024, samples=2) > base
