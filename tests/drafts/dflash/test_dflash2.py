@@ -427,3 +427,22 @@ def test_the_memory_estimate_counts_the_convolutions_and_the_selector():
                                     dflash2_fields={})
     base = FAMILY.activation_bytes(cfg, plain, tokens=1024, samples=2)
     assert FAMILY.activation_bytes(cfg, two, tokens=1024, samples=2) > base
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_the_flex_backend_pads_blocks_without_moving_the_selector_rows(device):
+    """flex pads the block grid; the selector must still read the weighted slots (forward only on
+    the CPU: torch has no CPU flex backward)."""
+    draft = tiny_dflash2(14, top_k=64).to(device)
+    E, W = (w.to(device) for w in target_weights(14))
+    batch = {k: v.to(device) for k, v in packed_batch(random_samples(14, [13, 9, 15]), [[0, 1], [2]]).items()}
+    args = dict(embed_weight=E, lm_head_weight=W, block_size=4, num_anchors=5, loss_decay_gamma=3.0)
+    with torch.no_grad():
+        dense, dense_sums = dflash_loss(draft, batch, generator=torch.Generator().manual_seed(2), backend="sdpa",
+                                        **args)
+        flex, flex_sums = dflash_loss(draft, batch, generator=torch.Generator().manual_seed(2), backend="flex",
+                                      **args)
+    assert abs(dense.item() - flex.item()) < 1e-4 * abs(dense.item())
+    for key in ("selector_correct", "selector_recall", "selector_reach"):
+        assert torch.equal(dense_sums[key], flex_sums[key]), key
