@@ -1,10 +1,12 @@
 """What the DFlash objective is given, checked: its settings and the captured batch, whose
-fields and samples it reads from here.
+fields and samples it reads from here, and the generator that draws a micro-batch's anchors.
 
 ``batch`` (mapping or object): ``input_ids``, ``attention_mask``, ``loss_mask`` ``[b,T]``,
 ``aux_hidden [b,T,K·H]``, optional ``position_ids`` / ``seq_ids`` ``[b,T]`` for packed rows
 (``seq_ids`` -1 on padding).
 """
+
+import hashlib
 
 import torch
 
@@ -91,3 +93,10 @@ def check_batch(batch, draft, embed_weight, lm_head_weight):
         if tuple(w.shape) != (vocab, hidden):
             raise ModelError(f"{name} shape {tuple(w.shape)} != (vocab {vocab}, hidden {hidden})", where=name,
                              fix="pass the frozen target embedding / LM head (the embedding when tied)")
+
+
+def anchor_generator(seed: int, *, step: int, rank: int, micro_step: int) -> torch.Generator:
+    """A CPU generator for one micro-batch's anchors, a pure function of its coordinates (so a
+    resumed run redraws the same anchors)."""
+    digest = hashlib.sha256(f"dflash-anchors:{seed}:{step}:{rank}:{micro_step}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))

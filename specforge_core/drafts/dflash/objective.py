@@ -43,30 +43,21 @@ argmax-correct (``accept_reach[0]`` = all blocks).
 
 Backends: ``sdpa`` (dense bool masks ``[b, Q, T+Q]`` from :func:`visible`; CPU and GPU),
 ``flex`` (CUDA: a block mask from the same predicate, ``fast/flex_blocks.py``), ``auto`` = flex
-on CUDA, sdpa elsewhere.
+on CUDA, sdpa elsewhere. The anchors' generator is ``inputs.anchor_generator``.
 """
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specforge_core.drafts.dflash import dflash2
 from specforge_core.drafts.dflash.fast.chunked_ce import target_cross_entropy
-from specforge_core.drafts.dflash.fast.flex_blocks import flex_attend, pad_for_flex
+from specforge_core.drafts.dflash.fast.flex_blocks import flex_attend, pad_for_flex, resolve_block_backend
 from specforge_core.drafts.dflash.inputs import check_batch, check_settings, field, find_samples
 from specforge_core.drafts.dflash.model import dense_attend
-from specforge_core.errors import ConfigError
 
-BACKENDS = ("auto", "sdpa", "flex")
 SUM_KEYS = ("weight_sum", "loss_sum", "correct", "total", "ce_sum", "accept_reach")
-
-
-def anchor_generator(seed: int, *, step: int, rank: int, micro_step: int) -> torch.Generator:
-    """A CPU generator for one micro-batch's anchors, a pure function of its coordinates (so a
-    resumed run redraws the same anchors)."""
-    digest = hashlib.sha256(f"dflash-anchors:{seed}:{step}:{rank}:{micro_step}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
 @dataclass
@@ -192,22 +183,10 @@ def dense_masks(blocks: DFlashBlocks, layer_types, sliding_window: int | None) -
     return {lt: visible(blocks, rows, q, kv, _window(lt, sliding_window)) for lt in set(layer_types)}
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown attention backend {backend!r}", where="draft.attention_backend",
-                          fix=f"use one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "sdpa"
-    if backend == "flex" and torch.device(device).type != "cuda" and torch.is_grad_enabled():
-        raise ConfigError("flex attention has no CPU backward", where="draft.attention_backend",
-                          fix="use attention_backend: sdpa (or auto) on CPU")
-    return backend
-
-
 def attend_blocks(blocks: DFlashBlocks, aux: torch.Tensor, draft, backend: str):
     """``(blocks, aux, attend)``: the draft's attention over ``blocks`` under :func:`visible`, dense
     masks through sdpa or block masks through flex (which pads blocks and context to its tiles)."""
-    if resolve_backend(backend, aux.device) == "sdpa":
+    if resolve_block_backend(backend, aux.device) == "sdpa":
         return blocks, aux, dense_attend(dense_masks(blocks, draft.layer_types, draft.sliding_window))
     blocks, aux = pad_for_flex(blocks, aux, draft.mask_token_id)
     windows = {lt: _window(lt, draft.sliding_window) for lt in set(draft.layer_types)}
@@ -226,6 +205,7 @@ def dflash_loss(
     generator: torch.Generator | None,
     backend: str = "auto",
     ce_chunk_rows: int = 2048,
+    selector_loss_alpha: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, sums)`` of one micro-batch (module docstring): ``loss`` = Σ w·CE, the numerator
     (fp32 scalar with grad; divide the gradients by the global Σ w, ``sums["weight_sum"]``
@@ -235,7 +215,9 @@ def dflash_loss(
     gradient reaches them). ``generator`` draws the anchors (``anchor_generator``; None: the
     global CPU RNG). The draft is used only through its forward (FSDP2-safe); every rank runs
     that forward even when its batch has no anchor (one padding block), so collectives match.
-    Raises ConfigError for invalid objective settings and ModelError for a malformed batch.
+    A DFlash2 draft adds ``selector_loss_alpha`` times its selector's numerator and sums
+    (``dflash2.selector_objective``). Raises ConfigError for invalid objective settings and
+    ModelError for a malformed batch.
     """
     check_settings(draft, block_size, num_anchors, loss_decay_gamma)
     check_batch(batch, draft, embed_weight, lm_head_weight)
@@ -245,17 +227,25 @@ def dflash_loss(
     blocks, aux, attend = attend_blocks(blocks, aux, draft, backend)
     b, nb, size = blocks.tokens.shape
     embeds = F.embedding(blocks.tokens.flatten(1), embed_weight.detach())
-    hidden = draft(embeds, blocks.positions, attend, target_hidden=aux, context_positions=blocks.ctx_pos)
+    rows = torch.nonzero(blocks.valid.flatten()).flatten()
+    query = dflash2.selector_query(draft, blocks, rows, lm_head_weight)
+    hidden = draft(embeds, blocks.positions, attend, target_hidden=aux, context_positions=blocks.ctx_pos,
+                   **({} if query is None else {"selector_query": query}))
+    if query is not None:
+        hidden, selected = hidden
     k = torch.arange(size, device=ids.device)
     decay = torch.ones(size, device=ids.device, dtype=torch.float64)
     if loss_decay_gamma is not None:
         decay = torch.exp(-(k - 1).clamp(min=0).double() / loss_decay_gamma)
     weight64 = blocks.valid.double() * decay
     weight = weight64.float()
-    rows = torch.nonzero(blocks.valid.flatten()).flatten()
     ce, pred = target_cross_entropy(hidden.flatten(0, 1)[rows], lm_head_weight, blocks.labels.flatten()[rows],
                                     ce_chunk_rows)
     loss = (ce * weight.flatten()[rows]).sum()
+    if query is not None:
+        extra, selector_sums = dflash2.selector_objective(selected, weight.flatten()[rows], blocks, rows,
+                                                          selector_loss_alpha)
+        loss = loss + extra
     with torch.no_grad():
         hit = torch.zeros(b * nb * size, dtype=torch.bool, device=ids.device)
         hit[rows] = pred == blocks.labels.flatten()[rows]
@@ -270,6 +260,8 @@ def dflash_loss(
             "ce_sum": ce_grid[..., 1:].sum((0, 1)),
             "accept_reach": torch.cat([blocks.keep.sum().view(1), reach]),
         }
+        if query is not None:
+            sums.update(selector_sums)
     return loss, {key: value.double() for key, value in sums.items()}
 
 
@@ -296,4 +288,4 @@ def summarize_dflash_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
         out[f"accept_rate_{i}"] = ratio(reach[i + 1], reach[i])
     out["simulated_accept_length"] = ratio(reach.sum(), reach[0])
     out["blocks"] = float(reach[0])
-    return out
+    return out | dflash2.summarize_selector_metrics(sums)

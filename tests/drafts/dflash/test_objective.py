@@ -7,8 +7,8 @@ unpacked). Loss and gradients are compared as the weighted mean the trainer appl
 import pytest
 import torch
 
+from specforge_core.drafts.dflash.inputs import anchor_generator
 from specforge_core.drafts.dflash.objective import (
-    anchor_generator,
     build_blocks,
     dflash_loss,
     summarize_dflash_metrics,

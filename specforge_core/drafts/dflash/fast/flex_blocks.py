@@ -88,3 +88,20 @@ def _mask_mod(predicate, blocks, window: int | None):
         return predicate(blocks, b, q, kv, window)
 
     return mask_mod
+
+
+BACKENDS = ("auto", "sdpa", "flex")
+
+
+def resolve_block_backend(backend: str, device: torch.device) -> str:
+    """``draft.attention_backend`` for a DFlash-family draft on ``device``: ``auto`` is flex on CUDA,
+    sdpa elsewhere; ConfigError for an unknown name or flex's missing CPU backward."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown attention backend {backend!r}", where="draft.attention_backend",
+                          fix=f"use one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    if backend == "flex" and torch.device(device).type != "cuda" and torch.is_grad_enabled():
+        raise ConfigError("flex attention has no CPU backward", where="draft.attention_backend",
+                          fix="use attention_backend: sdpa (or auto) on CPU")
+    return backend
