@@ -53,7 +53,8 @@ class Eagle3Family:
                 "the draft config does not fit this target and run: " + "; ".join(problems),
                 where=f"draft.config_path ({cfg.draft.config_path})",
                 fix="use a draft config made for this target (or remove draft.config_path to generate one), "
-                "and set draft.draft_vocab_size, draft.fc_norm and draft.norm_output to its values",
+                "and set draft.draft_vocab_size to its draft_vocab_size (and draft.fc_norm, draft.norm_output "
+                "to its fc_norm, norm_output)",
             )
 
     def draft_config(self, cfg, target_config, layer_ids, *, tokenizer=None):

@@ -155,3 +155,12 @@ def test_a_non_boolean_option_is_refused():
     data = serving_config_dict(draft_config_from_target(_small(), 50))
     with pytest.raises(ModelError, match="norm_output"):
         draft_config_from_dict(data | {"norm_output": "yes"})
+
+
+@pytest.mark.parametrize("flag", ["fc_norm", "norm_output"])
+def test_each_eagle31_option_changes_the_identity_a_resume_checks(flag):
+    from specforge_core.loop.trainer import config_identity
+
+    plain = serving_config_dict(draft_config_from_target(_small(), 50))
+    on = serving_config_dict(draft_config_from_target(_small(), 50, **{flag: True}))
+    assert config_identity(plain) != config_identity(on)
