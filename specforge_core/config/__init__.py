@@ -226,7 +226,10 @@ class DraftConfig(_Section):
         None, description="Warm start from an exported draft directory (its vocab map is kept)."
     )
     vocab_map_path: str | None = Field(None, description="Use this d2t/t2d file instead of building one.")
-    fc_norm: bool = Field(False, description="RMSNorm each captured chunk before fc (EAGLE3.1).")
+    fc_norm: bool = Field(False, description="EAGLE-3.1: an RMSNorm on each captured layer before fc, so no "
+                          "layer dominates the fused input by scale (docs/export.md, EAGLE-3.1).")
+    norm_output: bool = Field(False, description="EAGLE-3.1: carry the final-normed hidden to the next draft "
+                              "step, against its magnitude drifting with depth (docs/export.md, EAGLE-3.1).")
     lm_head_init: Literal["random", "target"] = Field(
         "random", description="EAGLE3's lm_head at a fresh start: random (normal, as SpecForge) or target "
         "(the target's lm_head rows of the draft vocabulary, then trained). Ignored by a warm start or a resume."

@@ -23,13 +23,13 @@ def _target(model_dir, *, greedy_is_always_zero=False):
     return model, DecodingTarget(model, list(default_capture_layers(model.config.num_hidden_layers)))
 
 
-def _draft(model, draft_vocab_size=None, seed=0, hot_start=0):
+def _draft(model, draft_vocab_size=None, seed=0, hot_start=0, eagle31=False):
     """A random-init draft for ``model``; with ``draft_vocab_size`` a vocab map of that many ids
-    (the smallest being ``hot_start``, the rest random)."""
+    (the smallest being ``hot_start``, the rest random); ``eagle31``: fc_norm and norm_output on."""
     torch.manual_seed(seed)
     v = model.config.vocab_size
     vd = draft_vocab_size or v
-    draft = Eagle3DraftModel(draft_config_from_target(model.config, vd)).eval()
+    draft = Eagle3DraftModel(draft_config_from_target(model.config, vd, fc_norm=eagle31, norm_output=eagle31)).eval()
     draft.load_embedding(model.get_input_embeddings().weight)
     if vd < v:
         rest = torch.randperm(v - hot_start - 1)[: vd - 1] + hot_start + 1
@@ -41,11 +41,12 @@ def _draft(model, draft_vocab_size=None, seed=0, hot_start=0):
 
 
 def _unrolled_hidden(draft, batch, lm_head_weight, t, steps=3):
-    """The pre-norm hidden of each training step's scored rows (``compute_logits(h) =
-    lm_head(norm(h))``, one call for all steps); with one sample of ``t`` tokens, every one
-    supervised, step k scores positions 0..t-2-k."""
+    """The carried hidden of each training step's scored rows (what ``compute_logits`` reads, one
+    call for all steps: ``norm``'s input, or with norm_output ``lm_head``'s); with one sample of
+    ``t`` tokens, every one supervised, step k scores positions 0..t-2-k."""
     scored = []
-    hook = draft.norm.register_forward_hook(lambda _m, inputs, _o: scored.append(inputs[0].detach()))
+    reader = draft.lm_head if draft.norm_output else draft.norm
+    hook = reader.register_forward_hook(lambda _m, inputs, _o: scored.append(inputs[0].detach()))
     with torch.no_grad():
         ttt_unroll(draft, batch, lm_head_weight, ttt_length=steps, backend="sdpa")
     hook.remove()
@@ -63,9 +64,10 @@ def tiny(tiny_target_dir, tiny_tokenizer):
     return model, target, _prompt(tiny_tokenizer)
 
 
-def test_decode_time_draft_equals_the_training_unroll_at_steps_0_to_2(tiny):
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle31"])
+def test_decode_time_draft_equals_the_training_unroll_at_steps_0_to_2(tiny, eagle31):
     model, target, prompt = tiny
-    draft = _draft(model, draft_vocab_size=200, seed=1)
+    draft = _draft(model, draft_vocab_size=200, seed=1, eagle31=eagle31)
     ids = prompt + [5, 17, 42, 99, 7, 250, 3, 11]
     aux = target.start([ids]).aux[0]
     t = len(ids)
@@ -117,11 +119,12 @@ def test_a_draft_that_always_agrees_gets_num_steps_plus_one_per_verify(tiny_targ
     assert s["per_position_acceptance"] == [1.0] * num_steps
 
 
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle31"])
 @pytest.mark.parametrize("arch_dir", ["tiny_target_dir", "tiny_qwen3_dir"])
 @pytest.mark.parametrize("num_steps,vd", [(1, None), (3, 128), (5, 300)])
-def test_a_random_draft_is_lossless(request, tiny_tokenizer, arch_dir, num_steps, vd):
+def test_a_random_draft_is_lossless(request, tiny_tokenizer, arch_dir, num_steps, vd, eagle31):
     model, target = _target(request.getfixturevalue(arch_dir))
-    draft = _draft(model, draft_vocab_size=vd, seed=num_steps)
+    draft = _draft(model, draft_vocab_size=vd, seed=num_steps, eagle31=eagle31)
     for text in ("what is the capital of France", "tell me a story about a river"):
         prompt = _prompt(tiny_tokenizer, text)
         plain = decode(target, prompt, max_new_tokens=40, stop_ids={2})
@@ -178,7 +181,8 @@ def test_batched_speculation_with_a_random_draft_is_lossless_on_smollm2(smollm2_
 
 
 @pytest.mark.slow
-def test_on_smollm2_the_draft_fed_at_decode_equals_the_training_unroll_on_captured_states(smollm2_dir):
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle31"])
+def test_on_smollm2_the_draft_fed_at_decode_equals_the_training_unroll_on_captured_states(smollm2_dir, eagle31):
     """Training's features (the hf capture backend, one full forward) and decode's (the decoding
     target: prefill, then a verify-style forward) drive the same draft to the same pre-norm hidden
     and the same argmax at steps 0..2 of every answer position, on the real target's magnitudes
@@ -200,7 +204,7 @@ def test_on_smollm2_the_draft_fed_at_decode_equals_the_training_unroll_on_captur
     backend = HFCaptureBackend(capture_model, target.capture_layer_ids)
     # every position supervised, so the unroll's output rows are the positions themselves
     batch = backend.capture(TargetRequest.from_rows([ids], [[1] * len(ids)], slice(0, 1)))
-    draft = _draft(model, draft_vocab_size=8192, seed=3)
+    draft = _draft(model, draft_vocab_size=8192, seed=3, eagle31=eagle31)
     unrolled = _unrolled_hidden(draft, batch, backend.lm_head_weight, len(ids))
 
     ends = list(range(p, len(ids) - 2))  # a round after step-0 rows 0..n-1, fed ids[n+1], ids[n+2]
@@ -210,7 +214,8 @@ def test_on_smollm2_the_draft_fed_at_decode_equals_the_training_unroll_on_captur
     for k in range(3):
         train = unrolled[k][0, [n - 1 for n in ends]]
         torch.testing.assert_close(steps[k], train, rtol=1e-5, atol=2e-4)  # seen: 4e-5
-        assert torch.equal(draft.compute_logits(steps[k]).argmax(-1), draft.compute_logits(train).argmax(-1))
+        with torch.no_grad():  # steps[k] comes from inference mode
+            assert torch.equal(draft.compute_logits(steps[k]).argmax(-1), draft.compute_logits(train).argmax(-1))
 
 
 # ---- tree drafting (topk > 1) ------------------------------------------------------------------------
@@ -276,11 +281,12 @@ def test_tree_drafting_at_topk_1_is_chain_drafting(tiny, tiny_tokenizer, num_ste
 SETTINGS = [(5, 4, 8), (3, 2, 6), (2, 3, 7), (6, 2, 12)]  # (5, 4, 8): SGLang 0.5.14's default for Llama targets
 
 
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle31"])
 @pytest.mark.parametrize("arch_dir", ["tiny_target_dir", "tiny_qwen3_dir"])
 @pytest.mark.parametrize("steps,topk,width", SETTINGS)
-def test_a_random_draft_is_lossless_with_trees(request, tiny_tokenizer, arch_dir, steps, topk, width):
+def test_a_random_draft_is_lossless_with_trees(request, tiny_tokenizer, arch_dir, steps, topk, width, eagle31):
     model, target = _target(request.getfixturevalue(arch_dir))
-    draft = _draft(model, draft_vocab_size=128, seed=steps)
+    draft = _draft(model, draft_vocab_size=128, seed=steps, eagle31=eagle31)
     prompts = [_prompt(tiny_tokenizer, text) for text in ("what is the capital of France", "tell me a story")]
     plain = decode_batch(target, prompts, max_new_tokens=32, stop_ids={2})
     spec = decode_batch(target, prompts, max_new_tokens=32, stop_ids={2}, drafter=DraftRunner(draft),

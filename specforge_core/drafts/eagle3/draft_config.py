@@ -5,7 +5,7 @@
 
 A draft config is a transformers ``LlamaConfig`` with one decoder layer and the EAGLE3 fields
 (``draft_vocab_size``, ``target_hidden_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids``,
-optional ``fc_norm``). It works for Llama, Qwen2, Qwen3 and Mistral-style targets: their RoPE is
+and, only when on, EAGLE-3.1's ``fc_norm`` and ``norm_output``: see ``model.py``). It works for Llama, Qwen2, Qwen3 and Mistral-style targets: their RoPE is
 copied as transformers 5 ``rope_parameters`` (legacy ``rope_theta``/``rope_scaling`` are read too)
 and evaluated later by transformers' own RoPE code, so the draft rotates exactly like the target.
 
@@ -42,7 +42,10 @@ _INHERITED_FIELDS = (
     "eos_token_id",
 )
 # EAGLE3 variants we do not implement; a draft JSON asking for them is refused, not half-honoured.
-_UNSUPPORTED_FLAGS = {"norm_before_fc": True, "norm_output": False, "attention_bias": True, "mlp_bias": True}
+_UNSUPPORTED_FLAGS = {"norm_before_fc": True, "attention_bias": True, "mlp_bias": True}
+# EAGLE-3.1's options (model.py): written into a config only when on, so a config without them is
+# today's EAGLE3 and keeps its identity (the resume contract hashes the config).
+EAGLE31_FLAGS = ("fc_norm", "norm_output")
 
 
 def default_capture_layer_ids(num_layers: int) -> list[int]:
@@ -104,13 +107,14 @@ def draft_config_from_target(
     draft_vocab_size: int,
     capture_layer_ids: list[int] | None = None,
     fc_norm: bool = False,
+    norm_output: bool = False,
 ) -> LlamaConfig:
     """Generate the draft config for ``target_config`` (Llama, Qwen2, Qwen3, Mistral, ...).
 
     The draft has the target's width, heads, head_dim, MLP size, norm eps, activation and RoPE,
     one layer, ``vocab_size`` = target vocab, ``draft_vocab_size`` = Vd, ``target_hidden_size`` =
-    target width, and the capture ids (default ``[1, N//2-1, N-4]``) in ``eagle_config``.
-    Raises ModelError when Vd exceeds the target vocab or the capture ids do not fit.
+    target width, and the capture ids (default ``[1, N//2-1, N-4]``) in ``eagle_config``;
+    ``fc_norm`` / ``norm_output``: EAGLE-3.1's options (recorded only when on). Raises ModelError when Vd exceeds the target vocab or the capture ids do not fit.
     """
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     vocab = int(getattr(text, "padded_vocab_size", None) or text.vocab_size)
@@ -141,8 +145,9 @@ def draft_config_from_target(
         mlp_bias=False,
         pad_token_id=0 if pad is None else int(pad),
     )
-    if fc_norm:
-        fields["fc_norm"] = True
+    for flag, on in zip(EAGLE31_FLAGS, (fc_norm, norm_output)):
+        if on:
+            fields[flag] = True
     return LlamaConfig(**fields)
 
 
@@ -151,10 +156,24 @@ def draft_config_from_dict(data: dict, where: str = "draft config") -> LlamaConf
 
     Accepts either RoPE form; forces ``num_hidden_layers`` to 1 and ``tie_word_embeddings`` to
     false, defaults ``draft_vocab_size`` to ``vocab_size`` and ``target_hidden_size`` to
-    ``hidden_size``. Raises ModelError for more than one layer or an EAGLE3 variant we do not
-    implement (norm_before_fc, norm_output false, biased linears).
+    ``hidden_size``; ``fc_norm`` / ``norm_output`` must be booleans and are kept only when true.
+    Raises ModelError for more than one layer, ``fc_norm`` together with ``norm_before_fc``, or an
+    EAGLE3 variant we do not implement (norm_before_fc, biased linears).
     """
     data = copy.deepcopy(data)
+    if data.get("fc_norm") and data.get("norm_before_fc"):
+        raise ModelError(
+            "fc_norm and norm_before_fc are mutually exclusive: fc_norm normalises each captured layer "
+            "before fc, norm_before_fc their concatenation, and both would norm twice",
+            where=f"{where}: fc_norm, norm_before_fc",
+            fix="remove norm_before_fc (EAGLE-3.1's per-layer fc_norm is the one this trainer implements)",
+        )
+    for flag in EAGLE31_FLAGS:
+        if not isinstance(data.get(flag, False), bool):
+            raise ModelError(f"{flag}={data[flag]!r} is not a boolean", where=f"{where}: {flag}",
+                             fix=f"set {flag} to true or false")
+        if not data.get(flag, False):
+            data.pop(flag, None)
     for flag, bad_value in _UNSUPPORTED_FLAGS.items():
         if data.get(flag, not bad_value) == bad_value:
             raise ModelError(

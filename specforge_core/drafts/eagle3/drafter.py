@@ -7,12 +7,13 @@ feeds it at decode time:
   ``fc(aux_t)`` (the target's three captured states at position t), at RoPE position t, and
   attends causally to rows 0..t.
 - **Draft steps** j = 1..k-1 of a round take the embedding of the previous draft token and the
-  previous step's pre-norm output, at RoPE position ``p_last + j`` (p_last = the last step-0
-  row). They attend to every step-0 row plus the earlier steps of the same round — the TTT
-  pattern "step-0 keys up to t, then the same position's keys of steps 1..k" — and are thrown
-  away after the round.
-- A draft token is ``argmax lm_head(norm(h))`` over the draft vocabulary, mapped to the target
-  vocabulary with ``d2t`` (``target = d + d2t[d]``).
+  previous step's carried hidden (its pre-norm output, or with EAGLE-3.1's ``norm_output`` the
+  normed one: ``Eagle3DraftModel.carry``; "pre-norm output" below means this), at RoPE
+  position ``p_last + j`` (p_last = the last step-0 row). They attend to every step-0 row plus
+  the earlier steps of the same round — the TTT pattern "step-0 keys up to t, then the same
+  position's keys of steps 1..k" — and are thrown away after the round.
+- A draft token is ``argmax compute_logits(h)`` (``lm_head(norm(h'))``) over the draft
+  vocabulary, mapped to the target vocabulary with ``d2t`` (``target = d + d2t[d]``).
 - **Tree drafting** (``propose_tree``, topk > 1, SGLang's EAGLE tree): the same steps, with the
   ``topk`` most probable tokens of a node as its children. Step 0 takes the topk tokens after the
   last step-0 row; each later step feeds the ``topk`` best nodes so far (by the product of the

@@ -4,7 +4,7 @@ One decoder layer over the target's token embedding and three captured target la
 reduced draft vocabulary (d2t/t2d), trained by the unrolled training-time-test objective
 (``objective.py``) against the target's own next-token distribution; exported in the layout
 SGLang's and vLLM's EAGLE3 loaders read (``serving.py``) and in vLLM's native speculators
-layout (``speculators_format.py``); decoded by chained or tree draft steps (``decoding.py``). The run config's ``draft.*`` fields (``draft_vocab_size``, ``fc_norm``,
+layout (``speculators_format.py``); decoded by chained or tree draft steps (``decoding.py``). The run config's ``draft.*`` fields (``draft_vocab_size``, ``fc_norm``, ``norm_output``,
 ``attention_backend``, ``config_path``, ``init_from``, ``lm_head_init``) and ``training.ttt_length`` /
 ``training.ploss_decay`` are this family's.
 """
@@ -42,14 +42,19 @@ class Eagle3Family:
             "vocab_size": (vocab_size, "the target's vocab_size"),
             "draft_vocab_size": (cfg.draft.draft_vocab_size, "draft.draft_vocab_size"),
         }
-        problems = [f"{field}={getattr(draft_config, field, None)} but {what} is {value}"
-                    for field, (value, what) in wanted.items() if getattr(draft_config, field, None) != value]
+        got = {field: getattr(draft_config, field, None) for field in wanted}
+        for flag in configs.EAGLE31_FLAGS:  # recorded only when on
+            wanted[flag] = (getattr(cfg.draft, flag), f"draft.{flag}")
+            got[flag] = bool(getattr(draft_config, flag, False))
+        problems = [f"{field}={got[field]} but {what} is {value}"
+                    for field, (value, what) in wanted.items() if got[field] != value]
         if problems:
             raise ModelError(
                 "the draft config does not fit this target and run: " + "; ".join(problems),
                 where=f"draft.config_path ({cfg.draft.config_path})",
                 fix="use a draft config made for this target (or remove draft.config_path to generate one), "
-                "and set draft.draft_vocab_size to its draft_vocab_size",
+                "and set draft.draft_vocab_size to its draft_vocab_size (and draft.fc_norm, draft.norm_output "
+                "to its fc_norm, norm_output)",
             )
 
     def draft_config(self, cfg, target_config, layer_ids, *, tokenizer=None):
@@ -57,7 +62,7 @@ class Eagle3Family:
         if given is not None:
             return given
         return configs.draft_config_from_target(target_config, cfg.draft.draft_vocab_size, list(layer_ids),
-                                                fc_norm=cfg.draft.fc_norm)
+                                                fc_norm=cfg.draft.fc_norm, norm_output=cfg.draft.norm_output)
 
     def tokenizer_token_ids(self, cfg) -> tuple[str, ...]:
         return ()  # the draft config needs no token id from the tokenizer

@@ -16,6 +16,12 @@ embedding is exactly what SGLang and vLLM load. The layer, as SGLang's ``LlamaFo
     h'   = h' + mlp(post_attention_layernorm(h'))          carried to the next step pre-norm
     z    = lm_head(norm(h'))                               compute_logits, draft vocab only
 
+EAGLE-3.1 (two config flags, both off by default): ``fc_norm`` normalises each captured layer on
+its own before ``fc`` (``h0 = fc(cat(fc_norm_0(aux_low), fc_norm_1(aux_mid), fc_norm_2(aux_high)))``,
+so no layer dominates the fused input by scale); ``norm_output`` carries the post-norm
+``norm(h')`` to the next step instead of ``h'`` (``carry``), against the hidden's magnitude
+drifting across speculation depths, and the logits are then ``lm_head`` of that carried hidden.
+
 In training the embedding half of q/k/v is projected once per step for every token the unroll
 reads (``project_tokens``), with ``input_layernorm``'s weight folded into the matrix; each
 unrolled step adds the rows it needs to its hidden half (``Eagle3DecoderLayer``'s doc).
@@ -192,7 +198,7 @@ class ProjectedTokens(NamedTuple):
 class Eagle3DraftModel(nn.Module):
     """The EAGLE3 draft: one decoder layer over three captured target layers. ``config``: a draft ``LlamaConfig`` (see draft_config).
 
-    Trainable: ``fc``, ``fc_norm`` (optional), ``midlayer``, ``norm``, ``lm_head``. Frozen and never
+    Trainable: ``fc``, ``fc_norm`` (with ``config.fc_norm``), ``midlayer``, ``norm``, ``lm_head``. Frozen and never
     saved: ``embed_tokens`` (a copy of the target's). Persistent buffers: ``d2t`` (int64 ``[Vd]``,
     draft id i ↔ target id ``i + d2t[i]``) and ``t2d`` (bool ``[V]``). Until ``set_vocab_map`` is
     called the map is the identity on the first Vd target ids.
@@ -220,6 +226,7 @@ class Eagle3DraftModel(nn.Module):
         )
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm_output = bool(getattr(config, "norm_output", False))
         self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
         t2d = torch.zeros(vocab, dtype=torch.bool)
@@ -257,9 +264,16 @@ class Eagle3DraftModel(nn.Module):
             aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
+    def carry(self, layer_out: torch.Tensor) -> torch.Tensor:
+        """The hidden a step carries to the next one (and scores): the layer's output, or with
+        ``norm_output`` (EAGLE-3.1) its ``norm``. Every draft step, trained or decoded, ends here."""
+        return self.norm(layer_out) if self.norm_output else layer_out
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits ``lm_head(norm(hidden))`` ``[..., Vd]``."""
-        return self.lm_head(self.norm(hidden))
+        """Draft-vocab logits ``[..., Vd]`` of a carried hidden (:meth:`carry`): ``lm_head(norm(hidden))``,
+        or ``lm_head(hidden)`` with ``norm_output``, whose carried hidden is normed already. Both
+        are ``lm_head(norm(h'))`` of the layer's output ``h'``."""
+        return self.lm_head(hidden if self.norm_output else self.norm(hidden))
 
     def project_tokens(self, token_ids: torch.Tensor) -> "ProjectedTokens":
         """Embed ``token_ids [N]`` and project their embedding half of q/k/v once
@@ -271,7 +285,7 @@ class Eagle3DraftModel(nn.Module):
 
     def forward(self, tokens: "torch.Tensor | ProjectedTokens", hidden: torch.Tensor, position_ids: torch.Tensor,
                 attend: Callable, queries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step for every row: ``(new pre-norm hidden [B,T,H], logits [B,T,Vd])``;
+        """One draft step for every row: ``(new carried hidden [B,T,H], logits [B,T,Vd])``;
         the arguments are :meth:`next_hidden`'s."""
         hidden = self.next_hidden(tokens, hidden, position_ids, attend, queries)
         with record_function("eagle3.lm_head"):
@@ -279,8 +293,8 @@ class Eagle3DraftModel(nn.Module):
 
     def next_hidden(self, tokens: "torch.Tensor | ProjectedTokens", hidden: torch.Tensor, position_ids: torch.Tensor,
                     attend: Callable, queries: torch.Tensor | None = None) -> torch.Tensor:
-        """One draft step for every row without its logits: the new pre-norm hidden ``[B,T,H]``
-        (the training unroll scores the rows of all its steps in one :meth:`compute_logits`).
+        """One draft step for every row without its logits: the new carried hidden ``[B,T,H]``
+        (:meth:`carry`; the training unroll scores the rows of all its steps in one :meth:`compute_logits`).
 
         ``tokens``: the token following each row's hidden state, as ids ``[B,T]`` (embedded here,
         q/k/v made from the concatenated input in the serving order), or as
@@ -299,7 +313,7 @@ class Eagle3DraftModel(nn.Module):
             weights, x = None, self.embed_tokens(tokens).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
         with record_function("eagle3.layer"):
-            return self.midlayer(x, hidden, cos, sin, attend, queries, weights)
+            return self.carry(self.midlayer(x, hidden, cos, sin, attend, queries, weights))
 
     def step(
         self,
@@ -312,11 +326,11 @@ class Eagle3DraftModel(nn.Module):
         """One midlayer forward for ``Tq`` new rows (the helper for decoding and tests).
 
         ``input_ids [B,Tq]``: the token following each row's hidden state; ``hidden [B,Tq,H]``:
-        ``project_hidden(aux)`` or a carried (pre-norm) draft hidden; ``position_ids [B,Tq]``: RoPE
+        ``project_hidden(aux)`` or a carried draft hidden (:meth:`carry`); ``position_ids [B,Tq]``: RoPE
         positions of the rows. ``past_key_values``: extra rows ``(k, v)`` of shape ``[B,nkv,Tp,hd]``
         already rotated (what earlier calls returned). ``attention_mask``: bool ``[B,Tq,Tp+Tq]``,
         True = may attend; default: every past row plus causal over the new rows.
-        Returns the new pre-norm hidden ``[B,Tq,H]`` (logits: ``compute_logits``) and the new
+        Returns the new carried hidden ``[B,Tq,H]`` (logits: ``compute_logits``) and the new
         rows' ``(k, v)`` ``[B,nkv,Tq,hd]`` for the caller's cache.
         """
         new_rows = []
@@ -344,7 +358,7 @@ class Eagle3DraftModel(nn.Module):
 
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        return self.midlayer(embeds, hidden, cos, sin, attend), new_rows[0]
+        return self.carry(self.midlayer(embeds, hidden, cos, sin, attend)), new_rows[0]
 
     # --- vocabulary map and embedding ------------------------------------------------------
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:

@@ -5,7 +5,8 @@
     save_draft_checkpoint_files(model, step_dir, state_dict)   # draft_config.json + draft.safetensors
 
 The serving directory holds exactly the serving keys: ``fc``, ``midlayer.*`` (SGLang renames it
-``layers.0.*``), ``norm``, ``lm_head`` of ``draft_vocab_size`` rows, ``d2t`` int64 ``[Vd]`` (target
+``layers.0.*``), ``norm``, ``fc_norm.{0,1,2}`` with EAGLE-3.1's ``fc_norm``, ``lm_head`` of
+``draft_vocab_size`` rows, ``d2t`` int64 ``[Vd]`` (target
 id minus draft id) and ``t2d`` bool ``[V]``; no embedding (the server shares the target's) and no
 trainer prefixes. SGLang skips unknown weight names silently and leaves the missing ones random,
 so a missing, unexpected or misshapen key is refused here before anything is written. Directories
@@ -32,6 +33,7 @@ from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_dire
 from specforge_core.loop.checkpoint import DRAFT_CONFIG as CHECKPOINT_CONFIG
 from specforge_core.loop.checkpoint import DRAFT_WEIGHTS as CHECKPOINT_WEIGHTS
 from specforge_core.drafts.eagle3.draft_config import (
+    EAGLE31_FLAGS,
     capture_layer_ids_of,
     draft_config_from_dict,
     serving_config_dict,
@@ -137,8 +139,10 @@ def warm_start_draft(directory: str | Path, config=None, device: str | torch.dev
             for name in _WARM_START_FIELDS
             if getattr(config, name, None) != getattr(model.config, name, None)
         ]
-        if bool(getattr(config, "fc_norm", False)) != bool(getattr(model.config, "fc_norm", False)):
-            diffs.append("fc_norm differs")
+        diffs += [f"{flag}: run {bool(getattr(config, flag, False))} vs {directory} "
+                  f"{bool(getattr(model.config, flag, False))}"
+                  for flag in EAGLE31_FLAGS
+                  if bool(getattr(config, flag, False)) != bool(getattr(model.config, flag, False))]
         if capture_layer_ids_of(config) != capture_layer_ids_of(model.config):
             diffs.append(
                 f"capture layer ids: run {capture_layer_ids_of(config)} vs {capture_layer_ids_of(model.config)}"

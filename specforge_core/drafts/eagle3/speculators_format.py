@@ -12,10 +12,10 @@
   path and architectures (speculators loads the verifier's config and head from there);
 - ``transformer_layer_config``: the draft's decoder layer as a Llama config (one layer, the target
   vocabulary, ``head_dim`` written out, RoPE as trained): vLLM builds the draft model from it;
-- ``draft_vocab_size``, ``target_hidden_size``, ``fc_norm``; ``norm_before_residual: false`` (our
-  residual is the un-normed hidden; vLLM assumes true when the field is absent),
-  ``norm_before_fc: false`` and ``norm_output: false`` (speculators' ``norm_output`` is Eagle 3.1's
-  post-norm feedback, not SGLang's field of the same name);
+- ``draft_vocab_size``, ``target_hidden_size``, EAGLE-3.1's ``fc_norm`` and ``norm_output`` as
+  trained (the same meaning in speculators as here: per-layer norms before ``fc``, the post-norm
+  hidden carried to the next step); ``norm_before_residual: false`` (our residual is the un-normed
+  hidden; vLLM assumes true when the field is absent) and ``norm_before_fc: false``;
 - ``eagle_aux_hidden_state_layer_ids`` at the top level, in vLLM's numbering: our capture id k is
   the output of decoder layer k, vLLM's id j the residual stream entering layer j, so j = k + 1
   (``vllm_layer_ids``); vLLM reads this field as it is and uses its own default without it.
@@ -81,7 +81,7 @@ def speculators_config(config, *, verifier: str, verifier_architectures: list[st
         "norm_before_residual": False,
         "norm_before_fc": False,
         "fc_norm": bool(served.get("fc_norm", False)),
-        "norm_output": False,
+        "norm_output": bool(served.get("norm_output", False)),
         "embed_requires_grad": False,
         "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(ids),
         "tie_word_embeddings": False,

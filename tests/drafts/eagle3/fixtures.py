@@ -19,10 +19,11 @@ def tiny_target_config(rope_parameters=None, hidden=24, heads=4, kv_heads=2, hea
     )
 
 
-def tiny_draft(seed=0, fc_norm=False, rope_parameters=None, target_hidden=None, vocab_draft=VD, head_dim=8) -> Eagle3DraftModel:
+def tiny_draft(seed=0, fc_norm=False, rope_parameters=None, target_hidden=None, vocab_draft=VD, head_dim=8,
+               norm_output=False) -> Eagle3DraftModel:
     """A float32 draft with weights large enough for non-uniform attention and a random vocab map."""
     target = tiny_target_config(rope_parameters, head_dim=head_dim)
-    config = draft_config_from_target(target, vocab_draft, fc_norm=fc_norm)
+    config = draft_config_from_target(target, vocab_draft, fc_norm=fc_norm, norm_output=norm_output)
     if target_hidden is not None:
         config.target_hidden_size = target_hidden
     g = torch.Generator().manual_seed(seed)

@@ -1,5 +1,7 @@
 """A slow reference of the EAGLE3 objective, written straight from the math (one-token shift, TTT mask,
-0.8^k weights, soft targets over the draft vocabulary, metrics).
+0.8^k weights, soft targets over the draft vocabulary, metrics), with EAGLE-3.1's options: per-layer
+norms before ``fc`` (``fc_norm.{i}.weight`` present) and, with ``config.norm_output``, the post-norm
+hidden ``norm(h')`` carried to the next step (the logits stay ``lm_head(norm(h'))``).
 
 Explicit loops over rows, steps, positions, heads and keys; float64 throughout; no code shared
 with ``specforge_core.drafts.eagle3`` (only the RoPE inverse frequencies come from transformers, the
@@ -111,9 +113,10 @@ def reference_eagle3(p, config, batch, W, t2d, d2t, K, decay=0.8):
                 gate = p["midlayer.mlp.gate_proj.weight"] @ m
                 up = p["midlayer.mlp.up_proj.weight"] @ m
                 new_h.append(r + p["midlayer.mlp.down_proj.weight"] @ (torch.nn.functional.silu(gate) * up))
-            h = new_h
+            normed = [rms(x, p["norm.weight"], eps) for x in new_h]
+            h = normed if getattr(config, "norm_output", False) else new_h
             for t in range(T):
-                z = p["lm_head.weight"] @ rms(h[t], p["norm.weight"], eps)
+                z = p["lm_head.weight"] @ normed[t]
                 out["logits"][k][b][t] = z
                 lm_k, pm_k = lm[t + k], pm[t + k]
                 logq = torch.log_softmax(z, dim=0)

@@ -113,8 +113,8 @@ def test_default_rope_is_written_with_a_null_rope_scaling():
     assert data["rope_scaling"] is None and data["rope_theta"] == 1e6
 
 
-@pytest.mark.parametrize("field,value", [("norm_before_fc", True), ("norm_output", False),
-                                         ("attention_bias", True), ("num_hidden_layers", 2)])
+@pytest.mark.parametrize("field,value", [("norm_before_fc", True), ("attention_bias", True),
+                                         ("num_hidden_layers", 2)])
 def test_json_configs_asking_for_variants_we_do_not_implement_are_refused(field, value):
     data = serving_config_dict(draft_config_from_target(LlamaConfig(vocab_size=100, num_hidden_layers=8), 50))
     with pytest.raises(ModelError, match=field):
@@ -124,3 +124,43 @@ def test_json_configs_asking_for_variants_we_do_not_implement_are_refused(field,
 def test_json_config_defaults_draft_vocab_and_target_width():
     cfg = draft_config_from_dict({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 90, "intermediate_size": 32})
     assert (cfg.draft_vocab_size, cfg.target_hidden_size, cfg.num_hidden_layers) == (90, 64, 1)
+
+
+def _small():
+    return LlamaConfig(vocab_size=100, num_hidden_layers=8)
+
+
+def test_eagle31_options_are_recorded_only_when_on_and_reload():
+    plain = serving_config_dict(draft_config_from_target(_small(), 50))
+    assert "fc_norm" not in plain and "norm_output" not in plain
+    on = serving_config_dict(draft_config_from_target(_small(), 50, fc_norm=True, norm_output=True))
+    assert on["fc_norm"] is True and on["norm_output"] is True
+    assert serving_config_dict(draft_config_from_dict(on)) == on
+
+
+def test_options_spelled_out_as_false_keep_the_config_of_plain_eagle3():
+    plain = serving_config_dict(draft_config_from_target(_small(), 50))
+    spelled = draft_config_from_dict(plain | {"fc_norm": False, "norm_output": False})
+    assert serving_config_dict(spelled) == plain  # same identity: a resume across them is allowed
+
+
+def test_fc_norm_with_norm_before_fc_is_refused_naming_both_and_the_fix():
+    data = serving_config_dict(draft_config_from_target(_small(), 50, fc_norm=True))
+    with pytest.raises(ModelError, match="mutually exclusive") as err:
+        draft_config_from_dict(data | {"norm_before_fc": True})
+    assert "fc_norm, norm_before_fc" in str(err.value) and "remove norm_before_fc" in str(err.value)
+
+
+def test_a_non_boolean_option_is_refused():
+    data = serving_config_dict(draft_config_from_target(_small(), 50))
+    with pytest.raises(ModelError, match="norm_output"):
+        draft_config_from_dict(data | {"norm_output": "yes"})
+
+
+@pytest.mark.parametrize("flag", ["fc_norm", "norm_output"])
+def test_each_eagle31_option_changes_the_identity_a_resume_checks(flag):
+    from specforge_core.loop.trainer import config_identity
+
+    plain = serving_config_dict(draft_config_from_target(_small(), 50))
+    on = serving_config_dict(draft_config_from_target(_small(), 50, **{flag: True}))
+    assert config_identity(plain) != config_identity(on)

@@ -69,6 +69,18 @@ def test_fc_norm_normalises_each_captured_chunk_before_fc():
         draft.project_hidden(torch.randn(2, 3, 48))
 
 
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_a_step_carries_the_post_norm_hidden_only_with_norm_output(norm_output):
+    draft = tiny_draft(seed=3, norm_output=norm_output)
+    h, ids, pos = torch.randn(1, 4, 24), torch.randint(0, 24, (1, 4)), torch.arange(4)[None]
+    carried, _ = draft.step(ids, h, pos)
+    plain = tiny_draft(seed=3)  # the same weights without the option
+    layer_out, _ = plain.step(ids, h, pos)
+    assert torch.equal(carried, draft.norm(layer_out) if norm_output else layer_out)
+    # the logits are lm_head(norm(layer output)) either way
+    assert torch.allclose(draft.compute_logits(carried), plain.compute_logits(layer_out), atol=1e-6)
+
+
 def test_set_vocab_map_refuses_an_inconsistent_or_missized_map():
     draft = tiny_draft()
     t2d = draft.t2d.clone()

@@ -39,7 +39,7 @@ def run_dir_with_checkpoint(tmp_path, draft, step="step-00000012"):
 
 @pytest.mark.parametrize("fc_norm", [False, True])
 def test_export_writes_exactly_the_serving_keys_and_no_embedding(tmp_path, fc_norm):
-    draft = tiny_draft(fc_norm=fc_norm)
+    draft = tiny_draft(fc_norm=fc_norm, norm_output=fc_norm)
     out = export_draft(draft, tmp_path / "out")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     tensors = saved_keys(out / "model.safetensors")
@@ -133,8 +133,20 @@ def test_cli_exports_the_latest_checkpoint_of_a_run_dir(tmp_path, capsys):
         assert torch.equal(reloaded.draft_state_dict()[key], value), key
 
 
+def test_an_eagle31_export_records_both_options_and_reloads_bit_identically(tmp_path):
+    draft = tiny_draft(seed=5, fc_norm=True, norm_output=True)
+    out = export_draft(draft, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["fc_norm"], config["norm_output"]) == (True, True)
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(saved_keys(out / "model.safetensors"))
+    back = load_exported_draft(out)
+    back.load_embedding(draft.embed_tokens.weight)
+    h, ids, pos = torch.randn(1, 3, 24), torch.randint(0, 24, (1, 3)), torch.arange(3)[None]
+    assert back.norm_output and torch.equal(back.step(ids, h, pos)[0], draft.step(ids, h, pos)[0])
+
+
 def test_checkpoint_files_round_trip(tmp_path):
-    draft = tiny_draft(seed=6, fc_norm=True)
+    draft = tiny_draft(seed=6, fc_norm=True, norm_output=True)
     save_draft_checkpoint_files(draft, tmp_path / "step")
     back = load_draft_from_files(tmp_path / "step")
     assert back.config.to_dict() == draft.config.to_dict() | {"dtype": back.config.dtype}
@@ -168,3 +180,5 @@ def test_warm_start_refuses_a_draft_made_for_other_settings(tmp_path):
     out = export_draft(tiny_draft(seed=7), tmp_path / "out")
     with pytest.raises(ModelError, match="fc_norm"):
         warm_start_draft(out, config=tiny_draft(fc_norm=True).config)
+    with pytest.raises(ModelError, match="norm_output: run True"):
+        warm_start_draft(out, config=tiny_draft(norm_output=True).config)

@@ -1,6 +1,7 @@
 """The fast objective equals the slow float64 reference (tests/drafts/eagle3/reference.py) in float32:
 loss, every metric and every gradient within 1e-5, for K = 1..7, padding, random loss masks,
-fc_norm, a target width different from the draft's, and every supported RoPE variant."""
+fc_norm and norm_output (EAGLE-3.1), a target width different from the draft's, and every supported
+RoPE variant."""
 
 import pytest
 import torch
@@ -72,6 +73,27 @@ def test_fast_path_matches_reference_with_fc_norm_and_wider_target():
     batch = random_batch(seed=11, lengths=[6, 9, 9], T=9, target_hidden=20)
     diffs, _ = compare_with_reference(draft, batch, target_head(11, 20), K=4)
     assert max(diffs.values()) < TOL, diffs
+
+
+@pytest.mark.parametrize("fc_norm", [False, True], ids=["norm_output", "eagle31"])
+def test_fast_path_matches_reference_with_norm_output(fc_norm):
+    draft = tiny_draft(seed=13, fc_norm=fc_norm, norm_output=True)
+    batch = random_batch(seed=13, lengths=[8, 5], T=8, target_hidden=24)
+    diffs, ref = compare_with_reference(draft, batch, target_head(13, 24), K=5)
+    assert diffs["counts"] == 0
+    assert max(diffs.values()) < TOL, diffs
+
+
+def test_norm_output_changes_only_the_later_steps():
+    """Step 0 reads the projected captured states either way; from step 1 on the carried hidden
+    is post-norm, so the logits differ."""
+    plain, post = tiny_draft(seed=17), tiny_draft(seed=17, norm_output=True)
+    batch = random_batch(seed=17, lengths=[7, 7], T=7, target_hidden=24)
+    W = target_head(17, 24)
+    out = [reference_eagle3({n: q.detach().double() for n, q in d.named_parameters()}, d.config, batch, W,
+                            d.t2d, d.d2t, 3)["logits"] for d in (plain, post)]
+    assert torch.equal(out[0][0][0][0], out[1][0][0][0])
+    assert not torch.allclose(out[0][1][0][0], out[1][1][0][0])
 
 
 @pytest.mark.parametrize(
