@@ -77,20 +77,9 @@ def load_run(args):
 @contextlib.contextmanager
 def run_lock(cfg, d):
     """Rank 0 holds ``<output.dir>/RUN.lock`` for the run; every rank fails if it cannot."""
-    from specforge_core.runtime.distributed import broadcast_object
-    from specforge_core.runtime.run_lock import RunLock
+    from specforge_core.runtime.run_lock import hold_for_ranks
 
-    lock, error = None, None
-    if d.is_main:
-        try:
-            lock = RunLock(cfg.output.dir, wait_s=None if cfg.output.on_busy == "fail" else float("inf")).acquire()
-            if lock.took_over is not None:
-                print(f"took over the stale lock of {lock.took_over.describe()}", flush=True)
-        except SpecForgeError as e:
-            error = e
-    error = broadcast_object(d, error)
-    if error is not None:
-        raise error
+    lock = hold_for_ranks(cfg.output.dir, d, on_busy=cfg.output.on_busy)
     try:
         yield
     finally:
