@@ -28,10 +28,9 @@ One YAML file per case under ``cases/<group>/`` (group: data, config, model). A 
               is closed the case passes, the run reports it, and the line must be removed).
 
 ``${case}``, ``${tiny_target}`` and ``${<model name>}`` in any string are replaced by paths.
-"Nothing written" means: after the refusal the case directory holds no new file except lock
-files (empty; they only coordinate builders) and remembered digests of input files
-(``<cache_dir>/sources/``: a fact about an input, keyed on its size and stamp, never mistaken for
-a cache), and the output directory does not exist.
+"Nothing written" means: after the refusal the case directory holds exactly the files and
+directories it held before (no lock file, no remembered digest, no empty directory), and the
+output directory does not exist.
 """
 
 import copy
@@ -139,7 +138,8 @@ def write_files(case: dict, root: Path, paths: dict) -> None:
 
 
 def snapshot(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    """Every file and directory under ``root`` (a directory with a trailing /)."""
+    return {str(p.relative_to(root)) + ("/" if p.is_dir() else "") for p in root.rglob("*")}
 
 
 def run(case: dict, argv: list[str], root: Path, capsys) -> tuple[int, str]:
@@ -187,9 +187,8 @@ def test_bad_input_is_refused_naming_problem_and_fix_and_writes_nothing(path, tm
     for part in ("problem", "fix"):
         for needle in substitute(case["expect"][part], paths):
             assert needle in err, f"{path.name}: {part} {needle!r} not in:\n{err}"
-    written = sorted(p for p in snapshot(root) - before
-                     if not p.endswith(".lock") and not p.startswith("cache/sources/"))
-    assert written == [], f"{path.name}: a refused run wrote {written}"
+    written = sorted(snapshot(root) - before)
+    assert written == [], f"{path.name}: a refused run left {written}"
     assert not (root / "out").exists()
 
 
