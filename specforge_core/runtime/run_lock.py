@@ -238,6 +238,8 @@ def hold_for_ranks(out_dir: str | Path, d, *, on_busy: str, poll_s: float = 0.5,
             outcome = "held"
         except RunBusyError as e:
             outcome = "waiting" if on_busy == "wait" else e
+            if outcome == "waiting":
+                print(f"{e.where}: {e.problem}; waiting for it to end (output.on_busy: wait)", flush=True)
         except SpecForgeError as e:
             outcome = e
     outcome, run_id = broadcast_object(d, (outcome, lock.holder.run_id if lock else None))
