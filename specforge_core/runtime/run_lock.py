@@ -113,11 +113,14 @@ def _is_stale(holder: LockHolder | None) -> bool:
     return started is not None and started > holder.started + _CLOCK_SLACK_S
 
 
-def make_output_dir(path: Path) -> None:
-    """Create the run directory ``path`` (and its parents); ConfigError naming ``output.dir`` and
-    the fix when it, or a folder above it, is an existing file."""
+def make_output_dir(path: Path) -> list[Path]:
+    """Create the run directory ``path`` (and its parents); the directories it created, deepest
+    first. ConfigError naming ``output.dir`` and the fix when it, or a folder above it, is an
+    existing file."""
+    made = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
+        return made
     except (FileExistsError, NotADirectoryError):
         raise ConfigError(
             "output.dir is an existing file, not a directory (or lies under one)",
@@ -144,6 +147,7 @@ class RunLock:
         )
         self.wait_s = wait_s
         self.clock, self.sleep = clock, sleep
+        self.made_dirs: list[Path] = []  # what acquire created; release removes them if left empty
         self.took_over: LockHolder | None = None
 
     def _try_create(self) -> bool:
@@ -183,7 +187,7 @@ class RunLock:
             mutex.unlink(missing_ok=True)
 
     def acquire(self) -> "RunLock":
-        make_output_dir(self.out_dir)
+        self.made_dirs = make_output_dir(self.out_dir)
         deadline = None if self.wait_s is None else self.clock() + self.wait_s
         while True:
             if self._try_create():
@@ -208,8 +212,15 @@ class RunLock:
                 f"run no longer runs{check}, take the directory over with: rm {shlex.quote(str(self.path))}")
 
     def release(self) -> None:
+        """Remove the lock, and the directories acquire created if the run left them empty (a
+        refused run leaves no empty output directory behind)."""
         if read_holder(self.path) == self.holder:
             self.path.unlink(missing_ok=True)
+        for d in self.made_dirs:
+            try:
+                d.rmdir()
+            except OSError:  # not empty (the run wrote there) or gone: keep the rest
+                break
 
     def __enter__(self) -> "RunLock":
         return self.acquire()

@@ -196,3 +196,25 @@ def test_corpus_covers_data_config_and_model_inputs():
     groups = [p.parent.name for p in CASES]
     assert len(CASES) >= 30 and {"data", "config", "model"} <= set(groups)
     assert all(load_case(p) for p in CASES)
+
+
+@pytest.mark.parametrize("command", ["prepare", "train"])
+def test_a_bad_line_found_mid_build_is_refused_and_leaves_nothing(command, tmp_path, tiny_target_dir, monkeypatch,
+                                                                 capsys):
+    from specforge_core.data.prompt_cache import _CHUNK_ROWS
+
+    root = tmp_path / "case"
+    root.mkdir()
+    monkeypatch.chdir(root)
+    good = 3 * _CHUNK_ROWS  # whole chunks written into the build's directory before the bad line is read
+    (root / "data.jsonl").write_text("".join(json.dumps(GOOD_ROWS[i % 3]) + "\n" for i in range(good))
+                                     + '{"conversations": [\n')
+    base = yaml.safe_load((HERE / "base.yaml").read_text())
+    (root / "run.yaml").write_text(yaml.safe_dump(substitute(base, {"case": str(root), "tiny_target": str(tiny_target_dir)})))
+    before = snapshot(root)
+
+    code, err = run({"command": command}, ["--config", str(root / "run.yaml")], root, capsys)
+
+    assert code != 0 and f"data.jsonl:{good + 1}" in err and "Traceback" not in err, err
+    assert sorted(snapshot(root) - before) == []
+    assert not (root / "out").exists()

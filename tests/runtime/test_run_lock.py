@@ -227,3 +227,15 @@ def test_every_rank_is_refused_a_busy_directory_with_the_holders_name(tmp_path):
     with RunLock(tmp_path, run_id="holder"):
         results = run_ranks(_ranks_refused, 2, str(tmp_path), timeout_s=120)
     assert all("run holder" in r for r in results)
+
+
+def test_a_run_that_wrote_nothing_leaves_no_output_directory(tmp_path):
+    with RunLock(tmp_path / "new" / "run"):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_that_wrote_keeps_its_output_directory(tmp_path):
+    with RunLock(tmp_path / "run"):
+        (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["metrics.jsonl"]
