@@ -160,6 +160,20 @@ def _install_capture_head(model: torch.nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, _CaptureHead())
 
 
+def pack_local(aux: Sequence[torch.Tensor], last: torch.Tensor, lengths: Sequence[int], local: slice,
+               layer_ids: Sequence[int]) -> PackedCapture:
+    """This rank's rows ``local`` (start None: row 0) of one TP-wide extend of rows ``lengths``.
+
+    ``aux`` holds SGLang's captured states, one ``[T, H]`` per layer in ascending layer order
+    whatever the order asked; they come back concatenated in the order of ``layer_ids``.
+    """
+    order = [sorted(layer_ids).index(i) for i in layer_ids]
+    start = sum(lengths[: local.start or 0])
+    stop = start + sum(lengths[local])
+    return PackedCapture(aux=torch.cat([aux[j][start:stop] for j in order], dim=-1), last=last[start:stop],
+                         lengths=list(lengths[local]))
+
+
 class ModelRunnerEngine:
     """SGLang ``ModelRunner`` driven directly; one TP-wide extend per :meth:`capture`."""
 
@@ -167,8 +181,6 @@ class ModelRunnerEngine:
         self.runner, self._tree_cache = runner, tree_cache
         self.layer_ids = tuple(layer_ids)
         self.tp_rank, self.tp_size, self.device = place.tp_rank, tp_size, device
-        # SGLang returns aux states in ascending layer order; the family may want another
-        self._order = [sorted(self.layer_ids).index(i) for i in self.layer_ids]
         self._where = f"sglang engine, rank {place.rank} (island {place.island}, tp_rank {place.tp_rank})"
         self._calls = 0
 
@@ -272,14 +284,11 @@ class ModelRunnerEngine:
                     f"SGLang returned {len(getattr(out, 'aux', []))} aux states for layers {self.layer_ids}",
                     where=self._where, fix="check the layer ids against the target's layer count",
                 )
-            start = sum(lengths[: local.start or 0])
-            stop = start + sum(lengths[local])
-            aux = torch.cat([out.aux[j][start:stop] for j in self._order], dim=-1)
-            last = out.last[start:stop]
+            packed = pack_local(out.aux, out.last, lengths, local, self.layer_ids)
         finally:
             r.req_to_token_pool.clear()
             r.token_to_kv_pool_allocator.clear()
-        return PackedCapture(aux=aux, last=last, lengths=lengths[local])
+        return packed
 
     def shutdown(self) -> None:
         """Drop the runner and SGLang's groups (never torchrun's default group)."""

@@ -23,6 +23,7 @@ of cache). Processes started without Prefect (torchrun ranks) coordinate through
 only: no collective is entered while a cache is being built.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -43,7 +45,7 @@ import numpy as np
 from specforge_core.data.formats import BadRow, Row, detect_format, iter_records, parse_record, source_digest
 from specforge_core.data.tokenize import RowTokenizer, Tokenized, effective_template
 from specforge_core.io import fsync_dir, fsync_file, sha256_file
-from specforge_core.errors import ConfigError, DataError
+from specforge_core.errors import ConfigError, DataError, SpecForgeError
 
 if TYPE_CHECKING:
     import datasets
@@ -155,14 +157,44 @@ def prompt_cache_key(cfg, tokenizer) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
+@contextlib.contextmanager
+def _nothing_left_on_refusal(cache_dir: Path) -> Iterator[None]:
+    """On a refused input (a SpecForgeError), remove what the block added to ``cache_dir``: the
+    digests it remembered, the lock files it created and the directories it made (when empty).
+
+    A lock file is shared by every builder of its key, but each of them is refused the same input,
+    so none is left holding the one removed here.
+    """
+    dirs = [cache_dir / "prompts", cache_dir / "sources", cache_dir]
+    made = [d for d in dirs if not d.exists()]
+    listed = {d: set(os.listdir(d)) for d in dirs[:2] if d.exists()}
+    try:
+        yield
+    except SpecForgeError:
+        for d in dirs[:2]:
+            added = set(os.listdir(d)) - listed.get(d, set()) if d.is_dir() else set()
+            for name in added:
+                if d.name == "sources" or name.endswith(".lock"):
+                    (d / name).unlink(missing_ok=True)
+        for d in made:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                d.rmdir()
+        raise
+
+
 def ensure_prompt_cache(cfg, tokenizer) -> PromptCache:
     """Open the prompt cache for ``cfg`` + ``tokenizer``, building it first if it is missing.
 
     Safe to call from many processes at once: exactly one builds, the others block on the lock
     file and then open the finished cache. A hit reads neither the source rows nor the tokenizer's
-    template output. Raises :class:`DataError` (file:line and fix) on bad input; then no cache
-    directory is left behind.
+    template output. Raises :class:`DataError` (file:line and fix) on bad input; then nothing it
+    wrote is left behind (no cache directory, lock file or remembered digest).
     """
+    with _nothing_left_on_refusal(Path(cfg.data.cache_dir)):
+        return _ensure_prompt_cache(cfg, tokenizer)
+
+
+def _ensure_prompt_cache(cfg, tokenizer) -> PromptCache:
     from filelock import FileLock
 
     key = prompt_cache_key(cfg, tokenizer)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from specforge_core.errors import ConfigError, SpecForgeError
+from specforge_core.errors import ConfigError
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import Ref, RunManifest
 from specforge_core.run.plan import PromptPlan
@@ -216,21 +216,11 @@ def build_training(cfg, d, inputs: RunInputs, checked):
 
 @contextlib.contextmanager
 def hold_run_lock(cfg, d):
-    """Rank 0 holds ``<output.dir>/RUN.lock`` for the run; every rank fails if it cannot."""
-    from specforge_core.system.distributed import broadcast_object
-    from specforge_core.loop.run_lock import RunLock
+    """Rank 0 holds ``<output.dir>/RUN.lock`` for the run; every rank fails if it cannot (and with
+    ``output.on_busy: wait`` every rank waits, outside any collective: ``hold_for_ranks``)."""
+    from specforge_core.loop.run_lock import hold_for_ranks
 
-    lock, error = None, None
-    if d.is_main:
-        try:
-            lock = RunLock(cfg.output.dir, wait_s=None if cfg.output.on_busy == "fail" else float("inf")).acquire()
-            if lock.took_over is not None:
-                print(f"took over the stale lock of {lock.took_over.describe()}", flush=True)
-        except SpecForgeError as e:
-            error = e
-    error = broadcast_object(d, error)
-    if error is not None:
-        raise error
+    lock = hold_for_ranks(cfg.output.dir, d, on_busy=cfg.output.on_busy)
     try:
         yield
     finally:

@@ -21,7 +21,7 @@ from run to run. Without a budget no collective is added and the schedule follow
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from specforge_core.system.distributed import Dist, all_reduce
@@ -34,18 +34,22 @@ def budget_progress(spent_s: float, budget_s: float, *, steps_done: int, total_s
 
 
 class TrainClock:
-    """Seconds of training: counts while running, not while :meth:`paused`; starts stopped."""
+    """Seconds of training: counts while running, not while :meth:`paused`; starts stopped.
 
-    def __init__(self, spent_s: float = 0.0):
+    ``now`` is the clock it reads (seconds, monotonic); tests pass their own.
+    """
+
+    def __init__(self, spent_s: float = 0.0, now: Callable[[], float] = time.perf_counter):
         self._base = float(spent_s)
-        self._since: float | None = None  # perf_counter() when it last (re)started; None: stopped
+        self._now = now
+        self._since: float | None = None  # now() when it last (re)started; None: stopped
 
     def start(self) -> None:
-        self._since = time.perf_counter()
+        self._since = self._now()
 
     def read(self) -> float:
         """Seconds counted so far (this rank's own reading)."""
-        running = 0.0 if self._since is None else time.perf_counter() - self._since
+        running = 0.0 if self._since is None else self._now() - self._since
         return self._base + running
 
     @contextmanager

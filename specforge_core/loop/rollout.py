@@ -44,7 +44,7 @@ Contract:
 
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -84,9 +84,10 @@ class CaptureTime:
     """Seconds one capture took, read when asked (:meth:`seconds`). On CUDA, device events on the
     current stream: the host clock would count the previous step's kernels still queued when the
     capture starts, and reading the events right after the capture would make the host wait for
-    it. Read later (a log step, the stream's ``stats``), they have long been reached."""
+    it. Read later (a log step, the stream's ``stats``), they have long been reached. Elsewhere,
+    ``clock`` (seconds; tests pass their own)."""
 
-    def __init__(self, device, tokens: int = 0):
+    def __init__(self, device, tokens: int = 0, clock: Callable[[], float] = time.perf_counter):
         self.cuda = torch.device(device).type == "cuda"
         self.tokens = tokens  # real tokens of the TP-wide batch the target computed
         self._seconds = None
@@ -94,13 +95,14 @@ class CaptureTime:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
         else:
-            self.t0 = time.perf_counter()
+            self.clock = clock
+            self.t0 = clock()
 
     def stop(self) -> "CaptureTime":
         if self.cuda:
             self.end.record()
         else:
-            self._seconds = time.perf_counter() - self.t0
+            self._seconds = self.clock() - self.t0
         return self
 
     def seconds(self) -> float:
@@ -122,8 +124,10 @@ class RolloutStream(Iterator[CapturedBatch]):
         batch_size: int,
         island_batch_size: int,
         token_budget: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self._batches = batches
+        self.clock = clock  # what a capture's time is read on off CUDA (tests pass their own)
         self._rows = rows
         self.backend = backend
         self.batch_size = batch_size
@@ -137,7 +141,7 @@ class RolloutStream(Iterator[CapturedBatch]):
     @classmethod
     def from_plan(
         cls, plan: PromptPlan, rank: int, rows: Sequence[Mapping], backend: CaptureBackend, *, start_sample: int = 0,
-        token_budget: int | None = None,
+        token_budget: int | None = None, clock: Callable[[], float] = time.perf_counter,
     ) -> "RolloutStream":
         """The stream of ``rank`` under ``plan``, resuming after ``start_sample`` trained samples;
         ``token_budget`` packs each batch's samples into rows of at most that many tokens."""
@@ -154,12 +158,13 @@ class RolloutStream(Iterator[CapturedBatch]):
             batch_size=plan.batch_size,
             island_batch_size=plan.island_batch_size,
             token_budget=token_budget,
+            clock=clock,
         )
 
     def __next__(self) -> CapturedBatch:
         island_batch = next(self._batches)
         request = self._request(island_batch)
-        timer = CaptureTime(self.backend.device, request.num_tokens)
+        timer = CaptureTime(self.backend.device, request.num_tokens, clock=self.clock)
         batch = self.backend.capture(request)
         self.last_capture = timer.stop()
         self._check(batch, request, island_batch)

@@ -11,7 +11,9 @@ holder cannot predate). A lock held from another host is never judged stale from
 names the holder, how to check it, and the command that takes the directory over.
 
 The lock is an ``O_CREAT | O_EXCL`` file, which is atomic on local and NFS v3+ filesystems, and
-is taken by rank 0 (or the orchestrator) only.
+is taken by rank 0 (or the orchestrator) only. With several ranks, :func:`hold_for_ranks` has the
+others wait on the lock file while rank 0 waits for the directory, not in a collective, so a wait
+may last longer than the process group's collective timeout.
 """
 
 import json
@@ -20,6 +22,7 @@ import shlex
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -110,11 +113,14 @@ def _is_stale(holder: LockHolder | None) -> bool:
     return started is not None and started > holder.started + _CLOCK_SLACK_S
 
 
-def make_output_dir(path: Path) -> None:
-    """Create the run directory ``path`` (and its parents); ConfigError naming ``output.dir`` and
-    the fix when it, or a folder above it, is an existing file."""
+def make_output_dir(path: Path) -> list[Path]:
+    """Create the run directory ``path`` (and its parents); the directories it created, deepest
+    first. ConfigError naming ``output.dir`` and the fix when it, or a folder above it, is an
+    existing file."""
+    made = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
+        return made
     except (FileExistsError, NotADirectoryError):
         raise ConfigError(
             "output.dir is an existing file, not a directory (or lies under one)",
@@ -127,10 +133,12 @@ class RunLock:
     """Context manager holding ``<out_dir>/RUN.lock`` for one run.
 
     ``wait_s``: None fails at once when the directory is busy; a number waits up to that many
-    seconds (polling) before failing.
+    seconds (polling) before failing. ``clock`` and ``sleep`` measure and spend that wait (tests
+    pass their own).
     """
 
-    def __init__(self, out_dir: str | Path, run_id: str | None = None, wait_s: float | None = None):
+    def __init__(self, out_dir: str | Path, run_id: str | None = None, wait_s: float | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / LOCK_NAME
         self.holder = LockHolder(
@@ -138,6 +146,8 @@ class RunLock:
             boot_id=_boot_id(), proc_start=process_start(os.getpid()),
         )
         self.wait_s = wait_s
+        self.clock, self.sleep = clock, sleep
+        self.made_dirs: list[Path] = []  # what acquire created; release removes them if left empty
         self.took_over: LockHolder | None = None
 
     def _try_create(self) -> bool:
@@ -177,8 +187,8 @@ class RunLock:
             mutex.unlink(missing_ok=True)
 
     def acquire(self) -> "RunLock":
-        make_output_dir(self.out_dir)
-        deadline = None if self.wait_s is None else time.monotonic() + self.wait_s
+        self.made_dirs = make_output_dir(self.out_dir)
+        deadline = None if self.wait_s is None else self.clock() + self.wait_s
         while True:
             if self._try_create():
                 return self
@@ -186,13 +196,13 @@ class RunLock:
             if _is_stale(holder):
                 self._take_over_stale(holder)
                 continue
-            if deadline is None or time.monotonic() >= deadline:
+            if deadline is None or self.clock() >= deadline:
                 raise RunBusyError(
                     f"output directory is in use by {holder.describe() if holder else 'another run'}",
                     where=str(self.out_dir),
                     fix=self._busy_fix(holder),
                 )
-            time.sleep(0.5)
+            self.sleep(0.5)
 
     def _busy_fix(self, holder: LockHolder | None) -> str:
         check = "" if holder is None else (
@@ -202,11 +212,58 @@ class RunLock:
                 f"run no longer runs{check}, take the directory over with: rm {shlex.quote(str(self.path))}")
 
     def release(self) -> None:
+        """Remove the lock, and the directories acquire created if the run left them empty (a
+        refused run leaves no empty output directory behind)."""
         if read_holder(self.path) == self.holder:
             self.path.unlink(missing_ok=True)
+        for d in self.made_dirs:
+            try:
+                d.rmdir()
+            except OSError:  # not empty (the run wrote there) or gone: keep the rest
+                break
 
     def __enter__(self) -> "RunLock":
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def hold_for_ranks(out_dir: str | Path, d, *, on_busy: str, poll_s: float = 0.5,
+                   sleep: Callable[[float], None] = time.sleep) -> RunLock | None:
+    """Collective: rank 0 takes ``<out_dir>/RUN.lock`` for the run, waiting for a busy directory when
+    ``on_busy == "wait"``; returns rank 0's lock (None on the other ranks), or raises rank 0's
+    SpecForgeError on every rank.
+
+    Rank 0 tries once and tells the others the outcome. While it then waits for the holder to
+    leave, the other ranks poll the lock file until it names rank 0's run: the only collectives
+    are two quick broadcasts, so no rank sits in one for the length of the wait.
+    """
+    from specforge_core.system.distributed import broadcast_object
+
+    lock, outcome = None, None
+    if d.is_main:
+        lock = RunLock(out_dir)
+        try:
+            lock.acquire()
+            outcome = "held"
+        except RunBusyError as e:
+            outcome = "waiting" if on_busy == "wait" else e
+            if outcome == "waiting":
+                print(f"{e.where}: {e.problem}; waiting for it to end (output.on_busy: wait)", flush=True)
+        except SpecForgeError as e:
+            outcome = e
+    outcome, run_id = broadcast_object(d, (outcome, lock.holder.run_id if lock else None))
+    if isinstance(outcome, SpecForgeError):
+        raise outcome
+    if outcome == "waiting":
+        if d.is_main:
+            lock.wait_s = float("inf")
+            lock.acquire()
+        else:
+            path = Path(out_dir) / LOCK_NAME
+            while (holder := read_holder(path)) is None or holder.run_id != run_id:
+                sleep(poll_s)
+    if lock is not None and lock.took_over is not None:
+        print(f"took over the stale lock of {lock.took_over.describe()}", flush=True)
+    return lock

@@ -215,7 +215,8 @@ class Trainer:
         self.root, self.optimizer = build_step(cfg, d, draft, objective, total_steps=self.total_steps,
                                                accumulation_steps=plan.accumulation_steps)
         self.metrics = MetricsLogger(
-            self.run_dir, d, total_steps=self.total_steps, derive=derive, sp_size=t.sp_size, echo=echo
+            self.run_dir, d, total_steps=self.total_steps, derive=derive, sp_size=t.sp_size, echo=echo,
+            clock=wall_clock,
         )
         self.open_stream = open_stream
         self.contract = contract
@@ -229,10 +230,10 @@ class Trainer:
         self.echo = echo
         self.step = 0  # optimizer steps done
         self.consumed_samples = 0  # samples this rank has trained (the plan's resume cursor)
-        self.clock = TrainClock()
+        self.clock = TrainClock(now=wall_clock)
         self.train_seconds = 0.0  # the clock at the last update (agreed over ranks with a budget)
         self.resumed_from: Path | None = None
-        self.wall_clock = wall_clock  # seconds; what time-based saves measure (tests pass their own)
+        self.wall_clock = wall_clock  # seconds; what time-based saves and the budget measure (tests pass their own)
         self.save_every_s = t.save_every_minutes * 60 or None
         self.last_save_at = 0.0
 
@@ -269,7 +270,7 @@ class Trainer:
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples_per_rank"]
         self.train_seconds = state.get("train_seconds", 0.0)  # absent in checkpoints older than the budget
-        self.clock = TrainClock(self.train_seconds)
+        self.clock = TrainClock(self.train_seconds, now=self.wall_clock)
         self.metrics.discard_after(self.step)
         self.resumed_from = ckpt
         if self.d.is_main and self.echo:
@@ -336,7 +337,7 @@ class Trainer:
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        start = time.perf_counter()
+        start = self.wall_clock()
         figures, error = {}, None
         with self.clock.paused():
             state = get_model_state_dict(self.draft, options=StateDictOptions(
@@ -350,7 +351,7 @@ class Trainer:
             error = broadcast_object(self.d, error)
         if error is not None:
             raise error
-        self.metrics.exclude_time(time.perf_counter() - start)
+        self.metrics.exclude_time(self.wall_clock() - start)
         return figures
 
     def _optimizer_step(self, stream: RolloutStream) -> None:

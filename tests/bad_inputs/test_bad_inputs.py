@@ -28,10 +28,9 @@ One YAML file per case under ``cases/<group>/`` (group: data, config, model). A 
               is closed the case passes, the run reports it, and the line must be removed).
 
 ``${case}``, ``${tiny_target}`` and ``${<model name>}`` in any string are replaced by paths.
-"Nothing written" means: after the refusal the case directory holds no new file except lock
-files (empty; they only coordinate builders) and remembered digests of input files
-(``<cache_dir>/sources/``: a fact about an input, keyed on its size and stamp, never mistaken for
-a cache), and the output directory does not exist.
+"Nothing written" means: after the refusal the case directory holds exactly the files and
+directories it held before (no lock file, no remembered digest, no empty directory), and the
+output directory does not exist.
 """
 
 import copy
@@ -139,7 +138,8 @@ def write_files(case: dict, root: Path, paths: dict) -> None:
 
 
 def snapshot(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    """Every file and directory under ``root`` (a directory with a trailing /)."""
+    return {str(p.relative_to(root)) + ("/" if p.is_dir() else "") for p in root.rglob("*")}
 
 
 def run(case: dict, argv: list[str], root: Path, capsys) -> tuple[int, str]:
@@ -187,9 +187,8 @@ def test_bad_input_is_refused_naming_problem_and_fix_and_writes_nothing(path, tm
     for part in ("problem", "fix"):
         for needle in substitute(case["expect"][part], paths):
             assert needle in err, f"{path.name}: {part} {needle!r} not in:\n{err}"
-    written = sorted(p for p in snapshot(root) - before
-                     if not p.endswith(".lock") and not p.startswith("cache/sources/"))
-    assert written == [], f"{path.name}: a refused run wrote {written}"
+    written = sorted(snapshot(root) - before)
+    assert written == [], f"{path.name}: a refused run left {written}"
     assert not (root / "out").exists()
 
 
@@ -197,3 +196,25 @@ def test_corpus_covers_data_config_and_model_inputs():
     groups = [p.parent.name for p in CASES]
     assert len(CASES) >= 30 and {"data", "config", "model"} <= set(groups)
     assert all(load_case(p) for p in CASES)
+
+
+@pytest.mark.parametrize("command", ["prepare", "train"])
+def test_a_bad_line_found_mid_build_is_refused_and_leaves_nothing(command, tmp_path, tiny_target_dir, monkeypatch,
+                                                                 capsys):
+    from specforge_core.data.prompt_cache import _CHUNK_ROWS
+
+    root = tmp_path / "case"
+    root.mkdir()
+    monkeypatch.chdir(root)
+    good = 3 * _CHUNK_ROWS  # whole chunks written into the build's directory before the bad line is read
+    (root / "data.jsonl").write_text("".join(json.dumps(GOOD_ROWS[i % 3]) + "\n" for i in range(good))
+                                     + '{"conversations": [\n')
+    base = yaml.safe_load((HERE / "base.yaml").read_text())
+    (root / "run.yaml").write_text(yaml.safe_dump(substitute(base, {"case": str(root), "tiny_target": str(tiny_target_dir)})))
+    before = snapshot(root)
+
+    code, err = run({"command": command}, ["--config", str(root / "run.yaml")], root, capsys)
+
+    assert code != 0 and f"data.jsonl:{good + 1}" in err and "Traceback" not in err, err
+    assert sorted(snapshot(root) - before) == []
+    assert not (root / "out").exists()

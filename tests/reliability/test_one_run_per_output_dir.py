@@ -41,8 +41,13 @@ def test_a_waiting_train_starts_when_the_holder_ends(train_workdir, tiny_target_
     config = run_config(train_workdir, "queued", tiny_target_dir, world=1, max_steps=steps, save_interval=0,
                         output={"on_busy": "wait"})
     first = Run.start(config, world=1)
-    first.wait_step()
-    waiting = Run.start(config, world=1)
+    try:
+        first.wait_step()
+        os.kill(first.proc.pid, signal.SIGSTOP)  # it cannot end before the second one has seen it busy
+        waiting = Run.start(config, world=1)
+        waiting.wait_line(r"output directory is in use by run .*; waiting for it to end")
+    finally:
+        os.kill(first.proc.pid, signal.SIGCONT)
     assert first.wait() == 0
     assert waiting.wait(120) == 0
     assert "step=" not in waiting.output  # it found the run finished: nothing trained twice

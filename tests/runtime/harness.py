@@ -1,9 +1,11 @@
 """Test harness for the trainer's runtime: real gloo ranks in spawned processes, a tiny draft.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes with torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), calls
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT), calls
 ``fn(rank, *args)`` in each and returns what each returned (rank order). ``fn`` must be a
-module-level function of an importable module; results travel through ``torch.save`` files. A
+module-level function of an importable module; results travel through ``torch.save`` files. The
+rendezvous store is served from this process, as torchrun's agent serves it: it binds port 0 and
+holds the port it got until the ranks are done, so no other process can take it in between. A
 rank leaves with ``exit_after_success()`` once its result is saved (exit code 0, no interpreter
 teardown: see that function).
 
@@ -17,23 +19,17 @@ calling the draft's methods and submodules (not its ``forward``), as the EAGLE3 
 
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 from torch import nn
 
 from specforge_core.system.distributed import exit_after_success
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple) -> None:
@@ -44,6 +40,7 @@ def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple)
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
+        TORCHELASTIC_USE_AGENT_STORE="True",  # every rank a client of run_ranks' store
     )
     torch.set_num_threads(1)
     result = fn(rank, *args)
@@ -56,10 +53,11 @@ def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple)
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
     """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks; re-raise a rank's failure here."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ranks-") as out:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, free_port(), out, args),
+            args=(fn, world_size, store.port, out, args),
             nprocs=world_size,
             join=False,
             start_method="spawn",

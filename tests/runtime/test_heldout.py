@@ -8,7 +8,6 @@ on the tiny target.
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -22,22 +21,24 @@ from specforge_core.loop.checkpoint import latest_checkpoint
 from specforge_core.system.distributed import close_distributed, init_distributed
 from specforge_core.launch.heldout import heldout_prompt_ids
 from tests.runtime.harness import run_ranks
-from tests.runtime.test_time_budget import records
+from tests.runtime.test_time_budget import TickingClock, records
 from tests.runtime.test_train_cli import ROOT
 from tests.runtime.test_trainer import build_trainer, make_config
 
-DECODE_S = 0.5
+DECODE_S = 1000.0
 
 
 class SlowDecode:
-    """Stands in for rank 0's decode: keeps the weights it was handed, takes DECODE_S seconds."""
+    """Stands in for rank 0's decode: keeps the weights it was handed, takes DECODE_S seconds of
+    the run's clock."""
 
-    def __init__(self):
+    def __init__(self, clock: TickingClock):
         self.states = []
+        self.clock = clock
 
     def __call__(self, state):
         self.states.append(state)
-        time.sleep(DECODE_S)
+        self.clock.at += DECODE_S
         return {"heldout_acceptance_length": 1.0 + len(self.states) / 10}
 
 
@@ -58,8 +59,9 @@ def probe_run(tiny_target_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("heldout")
     cfg = heldout_config(tiny_target_dir, run_dir, 4, world_size=1, num_epochs=1, log_interval=100)
     # 6 steps: decodes at 4 and at the last
-    decode = SlowDecode()
-    trainer, _ = build_trainer(d, cfg, heldout=decode)
+    clock = TickingClock()
+    decode = SlowDecode(clock)
+    trainer, _ = build_trainer(d, cfg, heldout=decode, wall_clock=clock)
     trainer.fit()
     close_distributed()
     torch.set_num_threads(threads)
@@ -81,7 +83,7 @@ def test_the_decode_is_handed_the_full_trained_weights_without_the_frozen_embedd
 
 def test_decode_time_is_left_out_of_the_clock_and_of_the_step_times(probe_run):
     rows = records(probe_run[0])
-    assert rows[-1]["train_seconds"] < 2 * DECODE_S  # 6 probe steps; counting the decodes would give > 1 s
+    assert rows[-1]["train_seconds"] < DECODE_S  # 6 probe steps of a few ticks; the two decodes took 2 * DECODE_S
     assert all(r["step_time_s"] < DECODE_S for r in rows)
 
 
@@ -143,8 +145,10 @@ def test_held_out_decodes_change_nothing_the_run_trains(eagle3_runs):
 
 def _two_rank_worker(rank, target_dir, run_dir):
     d = init_distributed("cpu", timeout_s=60)
-    decode = SlowDecode() if rank == 0 else None  # the builder gives rank 0 alone a decoder
-    trainer, _ = build_trainer(d, heldout_config(target_dir, run_dir, 2, num_epochs=1), heldout=decode)
+    clock = TickingClock()
+    decode = SlowDecode(clock) if rank == 0 else None  # the builder gives rank 0 alone a decoder
+    trainer, _ = build_trainer(d, heldout_config(target_dir, run_dir, 2, num_epochs=1), heldout=decode,
+                               wall_clock=clock)
     trainer.fit()
     close_distributed()
     shapes = None if decode is None else [{k: tuple(v.shape) for k, v in s.items()} for s in decode.states]

@@ -5,7 +5,6 @@ import sys
 import threading
 import weakref
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -18,6 +17,7 @@ from specforge_core.errors import CaptureError, DataError
 from specforge_core.run.topology import Topology
 from specforge_core.run.plan import IslandBatch, PromptPlan
 from specforge_core.loop.rollout import RolloutStream
+from tests.runtime.test_time_budget import TickingClock
 
 
 class CountingRows(list):
@@ -203,40 +203,40 @@ def test_rows_that_do_not_match_the_plan_are_refused(backends):
 
 
 class TimedBackend:
-    """The real backend, with the seconds spent inside its ``capture`` and outside it measured here."""
+    """The real backend, each ``capture`` taking CAPTURE_S seconds of the test's ``clock``."""
 
-    def __init__(self, backend):
-        self.backend, self.inside, self.calls = backend, 0.0, 0
+    def __init__(self, backend, clock):
+        self.backend, self.clock, self.calls = backend, clock, 0
 
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
     def capture(self, request):
-        t0 = time.perf_counter()
-        try:
-            return self.backend.capture(request)
-        finally:
-            self.inside += time.perf_counter() - t0
-            self.calls += 1
+        self.clock.at += CAPTURE_S
+        self.calls += 1
+        return self.backend.capture(request)
+
+
+CAPTURE_S, BETWEEN_S = 2.0, 100.0
 
 
 def test_stats_report_capture_time_throughput_and_peak_staged_bytes(backends):
     rows = make_rows(40)
-    timed = TimedBackend(backends[0])
-    stream = stream_for([timed, backends[1]], rows=rows)
-    sizes, t0 = [], time.perf_counter()
+    clock = TickingClock(tick=0.0)
+    timed = TimedBackend(backends[0], clock)
+    stream = stream_for([timed, backends[1]], rows=rows, clock=clock)
+    sizes = []
     for batch in stream:
         sizes.append(batch.feature_bytes())
-        time.sleep(0.01)  # trainer work between captures: not capture time
+        clock.at += BETWEEN_S  # trainer work between captures: not capture time
         del batch
-    wall = time.perf_counter() - t0
     tokens = sum(len(list.__getitem__(rows, i)["input_ids"]) for i in rows.read)
     s = stream.stats.as_dict()
     assert s["captures"] == timed.calls == plan().total_micro_steps
     assert s["peak_staged_bytes"] == max(sizes)
     assert s["island_tokens"] == tokens
     # the stream's capture clock covers the backend's capture calls and not the trainer's time between them
-    assert timed.inside <= s["capture_seconds"] < wall - 0.01 * s["captures"]
+    assert s["capture_seconds"] == CAPTURE_S * s["captures"]
     assert s["capture_tokens_per_s"] * s["capture_seconds"] == pytest.approx(tokens)
 
 

@@ -6,8 +6,8 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -43,20 +43,37 @@ def test_lock_is_released_on_exit(tmp_path):
         assert read_holder(tmp_path / LOCK_NAME) == lock.holder
 
 
+class Waits:
+    """The waiting run's clock and sleep: each sleep moves the clock; ``then`` runs at sleep ``at``."""
+
+    def __init__(self, at: int | None = None, then=None):
+        self.now, self.sleeps, self.at, self.then = 0.0, 0, at, then
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+        self.sleeps += 1
+        if self.sleeps == self.at:
+            self.then()
+
+
 def test_waiting_run_starts_when_the_holder_ends(tmp_path):
     first = RunLock(tmp_path, run_id="first").acquire()
-    threading.Timer(0.7, first.release).start()
-    t0 = time.monotonic()
-    with RunLock(tmp_path, run_id="second", wait_s=10) as second:
+    waits = Waits(at=3, then=first.release)
+    with RunLock(tmp_path, run_id="second", wait_s=10, clock=waits.clock, sleep=waits.sleep) as second:
         assert read_holder(tmp_path / LOCK_NAME).run_id == "second"
-    assert time.monotonic() - t0 >= 0.5
+    assert waits.sleeps == 3  # it waited while the holder held the lock, and no longer
     assert second.took_over is None
 
 
 def test_waiting_run_gives_up_after_its_deadline(tmp_path):
+    waits = Waits()
     with RunLock(tmp_path, run_id="first"):
         with pytest.raises(RunBusyError, match="run first"):
-            RunLock(tmp_path, run_id="second", wait_s=0.6).acquire()
+            RunLock(tmp_path, run_id="second", wait_s=2.0, clock=waits.clock, sleep=waits.sleep).acquire()
+    assert waits.now == 2.0  # four polls half a second apart, then the deadline
 
 
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
@@ -152,3 +169,73 @@ def test_racing_takeovers_of_a_stale_lock_have_one_winner(tmp_path):
     for p in procs:
         p.join(30)
     assert outcomes == ["refused", "refused", "refused", "won"]
+
+
+# --- several ranks ---------------------------------------------------------------------------------
+
+COLLECTIVE_TIMEOUT_S = 2.0
+
+
+def _ranks_wait_for_a_busy_directory(rank, out):
+    from specforge_core.system.distributed import barrier, close_distributed, init_distributed
+    from specforge_core.loop.run_lock import hold_for_ranks
+
+    d = init_distributed("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+    polls = []
+
+    def sleep(s):  # rank 1's polls: the holder ends once rank 1 has waited twice the collective timeout
+        polls.append(s)
+        time.sleep(s)
+        if sum(polls) - s < 2 * COLLECTIVE_TIMEOUT_S <= sum(polls):  # once: the lock is the holder's still
+            (Path(out) / LOCK_NAME).unlink()
+
+    lock = hold_for_ranks(out, d, on_busy="wait", sleep=sleep)
+    holder = read_holder(Path(out) / LOCK_NAME)
+    barrier(d)  # the process group outlived the wait
+    if lock is not None:
+        lock.release()
+    close_distributed()
+    return {"waited_s": sum(polls), "holder": holder.run_id, "mine": None if lock is None else lock.holder.run_id}
+
+
+def test_ranks_wait_for_a_busy_directory_longer_than_the_collective_timeout(tmp_path):
+    from tests.runtime.harness import run_ranks
+
+    with RunLock(tmp_path, run_id="holder"):
+        results = run_ranks(_ranks_wait_for_a_busy_directory, 2, str(tmp_path), timeout_s=120)
+    assert results[1]["waited_s"] >= 2 * COLLECTIVE_TIMEOUT_S
+    assert results[0]["holder"] == results[1]["holder"] == results[0]["mine"] != "holder"
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def _ranks_refused(rank, out):
+    from specforge_core.system.distributed import close_distributed, init_distributed
+    from specforge_core.loop.run_lock import hold_for_ranks
+
+    d = init_distributed("cpu", timeout_s=30)
+    try:
+        hold_for_ranks(out, d, on_busy="fail")
+    except RunBusyError as e:
+        return str(e)
+    finally:
+        close_distributed()
+
+
+def test_every_rank_is_refused_a_busy_directory_with_the_holders_name(tmp_path):
+    from tests.runtime.harness import run_ranks
+
+    with RunLock(tmp_path, run_id="holder"):
+        results = run_ranks(_ranks_refused, 2, str(tmp_path), timeout_s=120)
+    assert all("run holder" in r for r in results)
+
+
+def test_a_run_that_wrote_nothing_leaves_no_output_directory(tmp_path):
+    with RunLock(tmp_path / "new" / "run"):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_that_wrote_keeps_its_output_directory(tmp_path):
+    with RunLock(tmp_path / "run"):
+        (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["metrics.jsonl"]

@@ -7,7 +7,6 @@ stream, with budgets of a few seconds.
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -72,13 +71,27 @@ def test_progress_is_the_larger_of_budget_spent_and_horizon_trained():
     assert budget_progress(130, 100, steps_done=5, total_steps=10) == 1.0
 
 
+class TickingClock:
+    """A clock that moves ``tick`` seconds each time it is read: a run's timing without the machine's."""
+
+    def __init__(self, tick: float = 0.1, at: float = 0.0):
+        self.tick, self.at = tick, at
+
+    def __call__(self) -> float:
+        self.at += self.tick
+        return self.at
+
+
 def test_the_clock_leaves_paused_time_out():
-    clock = TrainClock(spent_s=10.0)
+    now = [100.0]
+    clock = TrainClock(spent_s=10.0, now=lambda: now[0])
     assert clock.read() == 10.0  # stopped until started
     clock.start()
+    now[0] += 1.0
     with clock.paused():
-        time.sleep(0.3)
-    assert 10.0 <= clock.read() < 10.2
+        now[0] += 5.0
+    now[0] += 2.0
+    assert clock.read() == 13.0
 
 
 # --- a budgeted run, one process -----------------------------------------------------------------
@@ -116,7 +129,7 @@ def expected_lrs(rows: list[dict], budget_s: float) -> list[float]:
 @pytest.fixture(scope="module")
 def budget_run(world_of_one, tiny_target_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("budget")
-    trainer, _ = build_trainer(world_of_one, budgeted(tiny_target_dir, run_dir))
+    trainer, _ = build_trainer(world_of_one, budgeted(tiny_target_dir, run_dir), wall_clock=TickingClock())
     trainer.fit()
     return run_dir, trainer
 
@@ -156,7 +169,7 @@ def test_a_resumed_run_goes_on_with_the_same_clock_and_schedule(world_of_one, ti
     for later in complete_checkpoints(run_dir):
         if read_train_state(later)["step"] > k:
             shutil.rmtree(later)
-    trainer, _ = build_trainer(world_of_one, budgeted(tiny_target_dir, run_dir))
+    trainer, _ = build_trainer(world_of_one, budgeted(tiny_target_dir, run_dir), wall_clock=TickingClock())
     assert trainer.resume().name == middle.name and trainer.train_seconds == read_train_state(middle)["train_seconds"]
     # the rate AdamW applies next is the one the straight run's next update applied
     assert trainer.optimizer.optimizer.param_groups[0]["lr"] == records(straight)[k]["lr"]
@@ -211,9 +224,8 @@ def test_the_plans_horizon_caps_a_budget_and_ends_the_schedule(world_of_one, tin
 def _two_rank_worker(rank, target_dir, run_dir):
     d = init_distributed("cpu", timeout_s=60)
     cfg = make_config(target_dir, run_dir, time_budget="2s", num_epochs=500, save_interval=0)
-    trainer, _ = build_trainer(d, cfg)
-    if rank == 1:  # the ranks' clocks start apart: the agreed figure must still be one
-        time.sleep(0.5)
+    # the ranks' clocks run at different rates: the agreed figure must still be one
+    trainer, _ = build_trainer(d, cfg, wall_clock=TickingClock(tick=0.05 if rank == 0 else 0.08))
     trainer.fit()
     lrs = [g["lr"] for g in trainer.optimizer.optimizer.param_groups]
     close_distributed()

@@ -255,7 +255,7 @@ def _saved_steps(run_dir) -> list[int]:
 
 def _steps_take(trainer_box: list, seconds_per_step: float):
     """A wall clock on which every optimizer step of the trainer in ``trainer_box`` takes ``seconds_per_step``."""
-    return lambda: trainer_box[0].step * seconds_per_step
+    return lambda: trainer_box[0].step * seconds_per_step if trainer_box else 0.0  # 0 while it is built
 
 
 def _saves_of_one_rank(d, tiny_target_dir, run_dir, seconds_per_step: float, **training) -> list[int]:

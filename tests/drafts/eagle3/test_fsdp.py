@@ -4,10 +4,10 @@ parameter use (the draft's forward calls and the q/k/v weights the step folds on
 it. A sharded draft gives the unsharded loss and gradients (2 gloo ranks on CPU)."""
 
 import os
-import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from specforge_core.drafts.eagle3 import eagle3_loss
 from specforge_core.system.distributed import exit_after_success
@@ -15,14 +15,13 @@ from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
 
 
 def _sharded_worker(rank, world, port, queue):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from specforge_core.system.distributed import Dist
     from specforge_core.loop.optim import shard
     from specforge_core.loop.trainer import TrainStep
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     d = Dist(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo",
              mesh=init_device_mesh("cpu", (world,)))
@@ -49,9 +48,8 @@ def test_draft_sharded_as_the_trainer_shards_it_gives_the_unsharded_loss_and_gra
     batch = random_batch(seed=12, lengths=[9, 7], T=9, target_hidden=24)
     loss, _ = eagle3_loss(draft, batch, target_head(12, 24), ttt_length=4, backend="sdpa")
     loss.backward()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)  # held: no port race
+    port = store.port
     queue = mp.get_context("spawn").Queue()
     workers = mp.start_processes(_sharded_worker, args=(2, port, queue), nprocs=2, start_method="spawn", join=False)
     try:  # before join: the worker exits only once this is read

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from specforge_core.drafts.eagle3 import add_metric_sums, all_reduce_metric_sums, eagle3_loss, summarize_metrics
 from specforge_core.system.distributed import exit_after_success
@@ -47,9 +48,8 @@ def test_sums_of_two_halves_equal_the_sums_of_the_whole_batch():
 
 
 def _reduce_worker(rank, world, port, queue):
-    import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     sums = {k: v * (rank + 1) for k, v in hand_sums().items()}
     reduced = all_reduce_metric_sums(sums)
@@ -62,13 +62,10 @@ def _reduce_worker(rank, world, port, queue):
 
 @pytest.mark.slow
 def test_all_reduce_sums_every_key_across_ranks():
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)  # held: no port race
+    port = store.port
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     workers = mp.start_processes(_reduce_worker, args=(2, port, queue), nprocs=2, start_method="spawn", join=False)
