@@ -61,8 +61,8 @@ class PromptCache:
 
     ``train`` / ``eval`` are the splits as memory-mapped ``datasets.Dataset`` (opened on first use);
     ``rows(split)`` reads the same Arrow file with pyarrow alone, which is what a training rank needs
-    (``len`` and ``rows[i]``) without importing ``datasets`` and pandas in every rank (≈ 2 s of CPU
-    per rank start, measured on a 1-rank tiny launch).
+    (``len`` and ``rows[i]``) without importing ``datasets`` and pandas in every rank (seconds of
+    CPU per rank start).
     """
 
     key: str

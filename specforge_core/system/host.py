@@ -7,15 +7,13 @@ Both leave a user's explicit choice alone and change no numbers, only where time
 
 - **OpenMP wait policy.** By default an OpenMP thread that finishes its share of an op spins,
   waiting for its peers. On cores shared with other jobs the peer is often descheduled, so the
-  spinning thread burns the core the peer needs, once per op. One rank with 2 threads on 2 busy
-  cores ran its steps 2.6x slower than with sleeping waits (``OMP_WAIT_POLICY=PASSIVE``), and no
-  faster than one thread (docs/performance.md, "CPU"). The runtime reads the variable when it is
-  loaded, so this must run before ``import torch``.
+  spinning thread burns the core the peer needs, once per op; sleeping waits
+  (``OMP_WAIT_POLICY=PASSIVE``) give it back (docs/performance.md, "CPU"). The OpenMP runtime
+  reads the variable when it is loaded, so this must run before ``import torch``.
 - **Freed memory stays in the process.** Every step allocates and frees the same large
   activations (``[rows, Vd]`` logits, vocab blocks, target activations: 1-30 MB each). glibc
   serves blocks over its mmap threshold with fresh mappings and returns freed heap tops to the
-  kernel, so each step page-faults its working set in again (~10^5 faults per objective call
-  measured on SmolLM2, about 5% of the step's CPU time). Raising the mmap threshold to its maximum
+  kernel, so each step page-faults its working set in again. Raising the mmap threshold to its maximum
   (32 MiB) and the trim threshold keeps freed blocks for reuse; the process keeps its peak heap
   mapped instead of returning it between steps.
 """

@@ -73,7 +73,7 @@ class Eagle3Family:
         inputs, the 2H concat, q/k/v, attention and MLP inputs, gate/up/act), the final norm's and
         lm_head's inputs (``2H``), its logits over Vd in the compute dtype and ``4·Vd`` bytes
         more (on CUDA the logits' gradient, which the backward makes for every step at once: the
-        head scores all steps in one pass; docs/performance.md, Round 14); plus the teacher
+        head scores all steps in one pass); plus the teacher
         itself (fp32 ``[Vd]``) and ``fc``'s output once. With ``training.compile`` the fused
         norms and MLP keep ``I + 4H`` values fewer per step: the saving measured at the Qwen3-8B
         shape (docs/gpu.md compares both with the bench)."""

@@ -6,17 +6,16 @@
 
 The unroll narrows its tensors to the rows each step computes with indices that are distinct (the
 plan's rows are ascending). ``index_select``'s backward must allow repeated indices, so it adds the
-gradient into zeros with ``index_add``, whose atomic adds on bf16 cost ≈ 0.2 ms per call on an
-H200 at Qwen3-8B shape (3.8 ms a step over ≈ 20 calls, round 7's profile). With distinct indices
+gradient into zeros with ``index_add``, whose atomic bf16 adds are slow and non-deterministic.
+With distinct indices
 the same gradient is a scatter, ``index_copy`` into zeros: no atomics, and deterministic.
 
 :func:`take_parts` takes several such subsets of one tensor (the unroll's rows carried to the
 next step and its scored rows; each step's tokens) and gets each row's gradient by a gather
 instead: the sum of its gradients in the parts, read through each part's slot map, in one pass
 that writes every row once (no zero fills, no scatters, no adds of full-size gradients;
-compiled with ``training.compile``). A ``take_rows`` per part with autograd adding their
-gradients ran at ≈ 0.3 TB/s on an H200 (round 16's profile: 6.1 ms a loop step at Qwen3-8B
-shape for every ``take_rows``).
+compiled with ``training.compile``), where a ``take_rows`` per part would zero-fill and add a
+full-size gradient per part.
 """
 
 import torch

@@ -23,9 +23,7 @@ rescaled sum of exponentials, so a row's logsumexp and argmax come from one read
   head's logits, its max, first argmax and logsumexp, then its draft columns written straight
   into the teacher's draft logits with their logsumexp.
 
-Inductor's kernels for the same passes read each row two or three times, at ≈ 0.7–1 TB/s on an
-H200 (the soft CE forward 9.4 ms and the teacher's statistics 4.7 ms a loop step at Qwen3-8B
-shape, docs/performance.md Round 16).
+Inductor's kernels for the same passes read each row two or three times; these read it once.
 
 Triton comes with torch's CUDA wheels; without it (a CPU-only install) :func:`usable` is false.
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors
