@@ -478,26 +478,6 @@ class RunConfig(_Section):
             raise ValueError(f"{e.problem}; change capture.tp_size or deployment.nproc_per_node") from None
         if self.capture.backend == "sglang":
             self._check_sglang_capacity(topology)
-        if self.draft.family == "dflash" and self.model.capture_layer_ids is not None:
-            raise ValueError(
-                "model.capture_layer_ids picks EAGLE3's three layers; a DFlash draft reads "
-                "draft.dflash.target_layer_ids: move the ids there, or remove model.capture_layer_ids"
-            )
-        if self.draft.family == "dflash" and self.training.feature_noise:
-            raise ValueError(
-                f"training.feature_noise={self.training.feature_noise} perturbs EAGLE3's captured features; "
-                "the DFlash objective does not read it: remove training.feature_noise"
-            )
-        if self.draft.family == "dflash" and self.draft.attention_backend == "flash":
-            raise ValueError(
-                "draft.attention_backend=flash is EAGLE3's step-0 kernel; a DFlash draft attends with sdpa or "
-                "flex: use auto, sdpa or flex"
-            )
-        if self.draft.family == "dflash" and self.draft.lm_head_init != "random":
-            raise ValueError(
-                f"draft.lm_head_init={self.draft.lm_head_init}: a DFlash draft has no lm_head of its own (it "
-                "projects through the target's frozen one); remove draft.lm_head_init"
-            )
         return self
 
     @model_validator(mode="after")
