@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from specforge_core.errors import ConfigError
 from specforge_core.run.topology import Topology
@@ -279,7 +279,7 @@ class TrainingConfig(_Section):
         return None if self.time_budget is None else parse_duration(self.time_budget)
 
 
-# ServerArgs fields that capture/sglang_args.py resolves itself; `capture.sglang.extra` may not set them.
+# ServerArgs fields that capture/sglang_backend.py resolves itself; `capture.sglang.extra` may not set them.
 SGLANG_RESOLVED_FIELDS = (
     "model_path", "dtype", "trust_remote_code", "skip_tokenizer_init", "tp_size", "pp_size", "dp_size",
     "ep_size", "mem_fraction_static", "attention_backend", "context_length", "max_running_requests",
@@ -438,6 +438,13 @@ class RunConfig(_Section):
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    _topology: Topology = PrivateAttr()
+
+    @property
+    def topology(self) -> Topology:
+        """The run's layout (world from ``deployment.*``), made once by this config's validation:
+        what the flow's plan and a rank's launch carry; nothing derives it again."""
+        return self._topology
 
     @model_validator(mode="before")
     @classmethod
@@ -473,11 +480,11 @@ class RunConfig(_Section):
                 "deployment.mode=local_colocated; set training.sp_size=1"
             )
         try:
-            topology = Topology.from_config(self)  # the one statement of "tp_size divides the world"
+            self._topology = Topology.from_config(self)  # the one statement of "tp_size divides the world"
         except ConfigError as e:  # as a field error of the form, with the form's shorter fix
             raise ValueError(f"{e.problem}; change capture.tp_size or deployment.nproc_per_node") from None
         if self.capture.backend == "sglang":
-            self._check_sglang_capacity(topology)
+            self._check_sglang_capacity(self._topology)
         return self
 
     @model_validator(mode="after")
