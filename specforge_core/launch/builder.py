@@ -152,9 +152,8 @@ def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config
         with torch.device(backend.device):
             draft = family.new_draft(draft_config)
     family.attach_target(cfg, draft, backend, vocab, fresh=not cfg.draft.init_from)
-    from specforge_core.system.compile import compile_pointwise, use_fused
+    from specforge_core.system.compile import compile_pointwise
 
-    use_fused(cfg.training.compile)
     if cfg.training.compile and backend.device.type == "cuda":
         compile_pointwise(draft)
     return draft

@@ -117,6 +117,7 @@ class Eagle3Family:
             backend=cfg.draft.attention_backend,
             vocab_chunk=cfg.capture.teacher_chunk_size,
             feature_noise=cfg.training.feature_noise,
+            compile=cfg.training.compile,
         )
 
     def summarize(self, cfg, sums: dict) -> dict:

@@ -107,12 +107,12 @@ class _SoftTargetTerms(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, teacher_logits, teacher_lse, label, weight, log_mass, recompute):
+    def forward(ctx, logits, teacher_logits, teacher_lse, label, weight, log_mass, recompute, compile):
         ctx.logits_dtype = logits.dtype
-        ctx.recompute = recompute
+        ctx.recompute, ctx.compile = recompute, compile
         if recompute:
             soft_ce = vocab_kernels.soft_ce_forward if vocab_kernels.usable(logits, teacher_logits) \
-                else fused(_soft_ce_and_overlap, logits.device)
+                else fused(_soft_ce_and_overlap, logits.device, compile)
             loss, overlap, argmax, lse, target_sum = soft_ce(logits, teacher_logits, teacher_lse, label, weight, log_mass)
             ctx.save_for_backward(logits, lse, teacher_logits, teacher_lse, label, target_sum, weight)
         else:
@@ -135,7 +135,7 @@ class _SoftTargetTerms(torch.autograd.Function):
         if ctx.recompute:
             logits, *saved = ctx.saved_tensors
             ce_grad = vocab_kernels.soft_ce_backward if vocab_kernels.usable(logits, saved[1]) \
-                else fused(_ce_grad, logits.device)
+                else fused(_ce_grad, logits.device, ctx.compile)
             dlogits = ce_grad(logits, *saved, grad)
         else:
             q, target, target_sum, weight = ctx.saved_tensors
@@ -143,7 +143,7 @@ class _SoftTargetTerms(torch.autograd.Function):
             for rows in _row_blocks(q):
                 dlogits[rows] = _ce_grad_from_probs(q[rows], target[rows], target_sum[rows], weight[rows], grad[rows],
                                                     ctx.logits_dtype)
-        return dlogits, None, None, None, None, None, None
+        return dlogits, None, None, None, None, None, None, None
 
 
 EAGER_BLOCK = 1 << 22  # values per block of rows in the eager soft CE: 16 MB per fp32 temporary
@@ -157,16 +157,17 @@ def _row_blocks(x: torch.Tensor) -> list[slice]:
 
 def soft_target_terms(
     logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, label: torch.Tensor,
-    weight: torch.Tensor, log_mass: torch.Tensor, *, recompute: bool | None = None,
+    weight: torch.Tensor, log_mass: torch.Tensor, *, recompute: bool | None = None, compile: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row-wise weighted soft cross-entropy against ``p = softmax(teacher_logits)[label]`` (given as
     the teacher's draft-vocab logits, in the head's dtype, and their fp32 logsumexp
     ``teacher_lse``; computed in fp32, gradient to ``logits`` only), the overlap
     ``Σ_v min(softmax(logits), p·exp(log_mass))`` (defined where ``weight > 0``: the Triton path
     leaves zeros elsewhere) and ``logits.argmax(-1)`` (no gradients). ``recompute`` (default: on CUDA) picks how the backward
-    gets the softmax (:class:`_SoftTargetTerms`); both give the same gradient."""
+    gets the softmax (:class:`_SoftTargetTerms`); both give the same gradient. ``compile``
+    (``training.compile``): its passes compiled on CUDA, forward and backward."""
     recompute = logits.is_cuda if recompute is None else recompute
-    return _SoftTargetTerms.apply(logits, teacher_logits, teacher_lse, label, weight, log_mass, recompute)
+    return _SoftTargetTerms.apply(logits, teacher_logits, teacher_lse, label, weight, log_mass, recompute, compile)
 
 
 def noisy_features(aux: torch.Tensor, layers: int, scale: float) -> torch.Tensor:
@@ -182,7 +183,7 @@ def noisy_features(aux: torch.Tensor, layers: int, scale: float) -> torch.Tensor
 
 def ttt_unroll(
     draft, batch, lm_head_weight: torch.Tensor, *, ttt_length: int = 7, backend: str = "auto", vocab_chunk: int = 32768,
-    feature_noise: float = 0.0,
+    feature_noise: float = 0.0, compile: bool = True,
 ) -> list[StepTerms]:
     """Run the K-step unroll and return the per-position terms of every step (see module doc).
 
@@ -196,7 +197,9 @@ def ttt_unroll(
     Which rows each step computes is worked out on the host from one copy of the
     batch's masks (:class:`UnrollPlan`), so the device never waits for the host inside the unroll.
     The steps' logits are made after the last step, for the rows of all steps at once; the
-    terms of skipped steps are zeros. The terms are views of ``[K, B, T]`` tensors.
+    terms of skipped steps are zeros. The terms are views of ``[K, B, T]`` tensors. ``compile``
+    (``training.compile``): the fused passes (teacher, merge, row gradients, soft CE) compiled on
+    CUDA; it reaches each of them as an argument.
     """
     ids, attn, lm, aux, last, pos, seq = _read_batch(batch, lm_head_weight)
     b, t = ids.shape
@@ -211,7 +214,7 @@ def ttt_unroll(
             teacher = given.take(plan.teacher_index + 1)
         else:
             teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
-                                      vocab_chunk=vocab_chunk)
+                                      vocab_chunk=vocab_chunk, compile=compile)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
     # step k's token at position t is ids[t+1+k] (0 past the row's end, one pad per row): each is
     # embedded and projected once for all steps (model.Eagle3DecoderLayer's doc)
@@ -219,8 +222,8 @@ def ttt_unroll(
         tokens = draft.project_tokens(F.pad(ids.flatten(), (0, b))[plan.token_index])
         runs = [k for k in range(ttt_length) if plan.rows[k] is not None]
         step_tokens = dict(zip(runs, tokens.for_steps([plan.token_rows[k] for k in runs],
-                                                      [plan.token_slot[k] for k in runs])))
-    attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans)
+                                                      [plan.token_slot[k] for k in runs], compile=compile)))
+    attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans, compile=compile)
     keys, values, key_rows, scored = [], [], [], []
 
     hidden = carried = None
@@ -247,7 +250,7 @@ def ttt_unroll(
             hidden = draft.next_hidden(None, step_pos, attend, hidden=carried, **reads)
         if k + 1 < ttt_length and plan.rows[k + 1] is not None:  # the rows step k+1 carries on, and the scored ones
             carried, here = take_parts(hidden, 1, [plan.carry[k + 1], plan.here[k]],
-                                       [plan.carry_slot[k + 1], plan.here_slot[k]])
+                                       [plan.carry_slot[k + 1], plan.here_slot[k]], compile=compile)
         elif plan.here[k].numel() == hidden.shape[1]:  # every row has a step-k target (the last step's)
             here = hidden
         else:
@@ -263,7 +266,7 @@ def ttt_unroll(
     with record_function("eagle3.loss_terms"):
         pm = teacher.in_draft[label]
         loss, overlap, argmax = soft_target_terms(logits, teacher.logits, teacher.lse, label, pm.float(),
-                                                  teacher.log_mass[label])
+                                                  teacher.log_mass[label], compile=compile)
         with torch.no_grad():
             correct = target_ids[argmax] == teacher.argmax[label]
             accept = torch.where(pm, overlap, torch.zeros_like(overlap))
@@ -459,13 +462,15 @@ def eagle3_loss(
     backend: str = "auto",
     vocab_chunk: int = 32768,
     feature_noise: float = 0.0,
+    compile: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, sums)``: the scalar ``Σ_k decay^k L_k`` and the summable metric numerators and
     denominators (``metrics.metric_sums``; reduce across ranks by summing). ``feature_noise`` > 0
-    trains on noisy features (:func:`noisy_features`); the teacher is never perturbed."""
+    trains on noisy features (:func:`noisy_features`); the teacher is never perturbed. ``compile``:
+    ``training.compile`` (:func:`ttt_unroll`)."""
     steps = ttt_unroll(
         draft, batch, lm_head_weight, ttt_length=ttt_length, backend=backend, vocab_chunk=vocab_chunk,
-        feature_noise=feature_noise,
+        feature_noise=feature_noise, compile=compile,
     )
     b, t = steps[0].loss.shape
     loss = sum(decay**k * s.loss.sum() for k, s in enumerate(steps)) / (b * t)
