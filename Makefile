@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 PREFECT_ENV = PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
               PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW=ignore
 
-.PHONY: install test test-fast demo demo-tiny sharegpt-30m sharegpt-2h clean
+.PHONY: install test test-fast demo demo-tiny ui sharegpt-30m sharegpt-2h clean
 
 install: $(STAMP)
 
@@ -36,11 +36,19 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PREFECT_ENV) PREFECT_HOME=$$(mktemp -d) $(BIN)/python -m pytest $(PYTEST_XDIST) -m 'not slow' $(PYTEST_ARGS)
 
+# The demo's runs stay in .prefect/ (its Prefect home); `make ui` serves them on 127.0.0.1.
+DEMO_ENV = $(PREFECT_ENV) PREFECT_HOME=$(CURDIR)/.prefect
+UI_PORT ?= 4200
+
 demo: $(STAMP)
-	$(PREFECT_ENV) $(BIN)/python -m flows.demo --profile smollm2
+	$(DEMO_ENV) $(BIN)/python -m flows.demo --profile smollm2
 
 demo-tiny: $(STAMP)
-	$(PREFECT_ENV) $(BIN)/python -m flows.demo --profile tiny
+	$(DEMO_ENV) $(BIN)/python -m flows.demo --profile tiny
+
+# The Prefect server over the demo's database; prints the latest colocated-train run's page.
+ui: $(STAMP)
+	$(DEMO_ENV) $(BIN)/python -m flows.demo --ui --port $(UI_PORT)
 
 # The ShareGPT real check (docs/validation-sharegpt.md): data, regeneration, a time-budgeted run,
 # τ at k = 3 on held-out and validation prompts, results.md. Run on a quiet machine; each target
@@ -54,4 +62,4 @@ sharegpt-2h: $(STAMP)
 	$(SHAREGPT) --config examples/sharegpt-realcheck-2h.yaml --answers 1920 $(SHAREGPT_ARGS)
 
 clean:
-	rm -rf $(VENV) .cache runs .pytest_cache
+	rm -rf $(VENV) .cache runs .pytest_cache .prefect

@@ -266,7 +266,7 @@ class RealCheck:
             measured = json.loads(proc.stdout.strip().splitlines()[-1])
             out[split] = {"settings": settings, "command": " ".join(cmd[1:]), **measured}
             atomic_write_text(path, json.dumps(out[split], indent=2))
-            print(f"{split}: acceptance length {measured['acceptance_length']:.3f} on {n} prompts "
+            print(f"{split}: measured acceptance length {measured['acceptance_length']:.3f} on {n} prompts "
                   f"(k={NUM_STEPS}, {ckpt.name})", flush=True)
         return out
 

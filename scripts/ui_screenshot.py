@@ -3,7 +3,7 @@
     python scripts/ui_screenshot.py                   # → docs/img/*.png (about 2 minutes on 2 cores)
     python scripts/ui_screenshot.py --out /tmp/shots
 
-Starts a private Prefect server and process worker (deployments/local_stack.py, temporary home,
+Starts a private Prefect server and process worker (flows/local_stack.py, temporary home,
 telemetry off), deploys deployments/prefect.yaml, runs colocated-train/default on the tiny profile,
 and photographs the flow-run page (run graph, task states, logs), two stage artifacts and the
 deployment's run form (the run config rendered as a form), then stops everything. Needs Debian's `chromium` (`apt-get install -y chromium`).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deployments.local_stack import PROJECT_DIR, LocalPrefect  # noqa: E402
+from flows.local_stack import PROJECT_DIR, LocalPrefect  # noqa: E402
 
 def pages(api_url: str, flow_run_id: str) -> dict[str, tuple[str, str, int]]:
     """PNG name → (UI path, window size, ms of virtual time) for the run's page, two of its artifacts

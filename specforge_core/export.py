@@ -18,6 +18,8 @@ out, dtype, number of tensors, capture layer ids. docs/export.md.
 import json
 import sys
 
+from safetensors import safe_open
+
 from specforge_core.cli import command_parser, run_command
 from specforge_core.drafts import family_of_files
 from specforge_core.errors import ConfigError
@@ -54,13 +56,14 @@ def export(checkpoint: str, out: str, dtype: str = "keep", *, fmt: str = "sglang
         if not callable(getattr(family, "export_speculators", None)):
             raise ConfigError(f"the {family.name} family has no speculators export", where="--format",
                               fix="use --format sglang (vLLM loads it as it is)")
-        written = family.export_speculators(model, out, target_dir=target, verifier=verifier, dtype=dtype,
-                                            speculative_tokens=3 if speculative_tokens is None else speculative_tokens)
+        tokens = {} if speculative_tokens is None else {"speculative_tokens": speculative_tokens}
+        written = family.export_speculators(model, out, target_dir=target, verifier=verifier, dtype=dtype, **tokens)
         config = json.loads((written / "config.json").read_text())
-        tensors = len(model.draft_state_dict()) + 1  # the target's embedding rides along
+        with safe_open(str(written / "model.safetensors"), framework="pt") as f:
+            tensors = len(list(f.keys()))  # EAGLE3's carries the target's embedding too
         result.update(verifier=config["speculators_config"]["verifier"]["name_or_path"],
                       speculative_tokens=config["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
-                      vllm_layer_ids=config["eagle_aux_hidden_state_layer_ids"])
+                      vllm_layer_ids=config.get("eagle_aux_hidden_state_layer_ids", config.get("aux_hidden_state_layer_ids")))
     result.update(out=str(written), dtype=json.loads((written / "config.json").read_text())["torch_dtype"],
                   keys=tensors, capture_layer_ids=family.trained_layer_ids(model.config))
     return result
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
     ap.add_argument("--dtype", default="keep", choices=["keep", *DTYPES], help="weights dtype (default: as trained)")
     ap.add_argument("--format", default="sglang", choices=FORMATS,
-                    help="sglang (default; SGLang and vLLM load it) or speculators (vLLM's native layout, EAGLE3)")
+                    help="sglang (default; SGLang and vLLM load it) or speculators (vLLM's native layout; EAGLE3, DSpark)")
     ap.add_argument("--target", help="speculators: the local target directory (embedding, architectures)")
     ap.add_argument("--verifier", help="speculators: the target's name or path written into the config "
                     "(default: --target)")

@@ -60,7 +60,7 @@ def plot_curves(metrics_path: Path, out: Path, *, num_steps: int, measured: dict
     for r in rows:
         accs = [r.get(f"acc_{k}") for k in positions]
         simulated.append(chain_acceptance_length(accs, num_steps) if None not in accs and accs else None)
-    ax_len.plot(steps, simulated, marker=".", color="tab:blue", label=f"simulated (k={num_steps}, training)")
+    ax_len.plot(steps, simulated, marker=".", color="tab:blue", label=f"simulated from training accuracies (k={num_steps})")
     if decoded:
         ax_len.plot([r[x] for r in decoded], [r["heldout_acceptance_length"] for r in decoded], marker="x",
                     color="tab:green", label=f"measured while training (held-out, k={num_steps})")

@@ -16,7 +16,8 @@ What it guarantees, in order of importance:
   them all.
 * **Every line is kept, the API is not flooded.** Merged stdout/stderr go line by line to
   ``log_path`` (full) and to the Prefect run logger through a token bucket; suppressed lines are
-  counted in the next logged line. On failure the last lines are in the exception message.
+  counted in the next logged line. Progress-bar frames (model loading on each rank) go to
+  ``log_path`` only. On failure the last lines are in the exception message.
 * **Progress and metrics stay current.** ``step=i/N`` lines update one progress artifact
   (optimizer steps done / total); ``metrics.jsonl`` is mirrored into one table artifact, updated
   at most every ``metrics_refresh_s`` and once at the end.
@@ -49,6 +50,9 @@ from specforge_core.io import atomic_write_json
 from specforge_core.run.metrics_file import MetricsFile
 
 STEP_LINE = re.compile(r"\bstep=(\d+)/(\d+)\b")
+# A progress bar's frame as tqdm draws it ("Loading weights:  40%|████      | 30/75 [00:01<…]", or
+# "12it [00:01, …]" without a total); each \r-redraw arrives as a line of its own.
+PROGRESS_BAR = re.compile(r"\d+%\|[^|]*\|\s*\d+/\d+|\b\d+it \[\d+:\d+")
 # Every process of a launched tree inherits this variable with the tree's own value.
 TREE_TOKEN_ENV = "SPECFORGE_PROCESS_TREE"
 
@@ -280,6 +284,12 @@ class MetricsTable:
         self.size = size
 
 
+def shown_in_run_log(line: str) -> bool:
+    """Whether a launched process's line goes to the Prefect run log: not blank, not a progress-bar
+    frame (one per redraw per rank; progress is the progress artifact's, and log_path keeps them)."""
+    return bool(line.strip()) and not PROGRESS_BAR.search(line)
+
+
 def _logger() -> logging.Logger | logging.LoggerAdapter:
     try:
         return get_run_logger()
@@ -340,7 +350,7 @@ def run_process_group(
             tail.append(line)
             if log_file:
                 log_file.write(line + "\n")
-            if line.strip() and budget.take():
+            if shown_in_run_log(line) and budget.take():
                 if budget.suppressed:
                     logger.info("(%d lines not shown here: see %s)", budget.suppressed, log_path or "stdout")
                     budget.suppressed = 0

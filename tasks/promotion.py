@@ -49,16 +49,16 @@ class ComparedFigure:
 
 
 def compared_figure(report: dict, promote_on: str | None) -> ComparedFigure:
-    """The held-out acceptance lengths of the validate ``report``, or with ``promote_on`` that
+    """The measured acceptance lengths (held-out prompts) of the validate ``report``, or with ``promote_on`` that
     benchmark's pooled acceptance length at the first setting (``report["benchmarks"]`` and
     ``report["benchmarks_promoted"]``)."""
     if promote_on is None:
-        return ComparedFigure("held-out acceptance length", report["acceptance_length"],
+        return ComparedFigure("measured acceptance length (held-out prompts)", report["acceptance_length"],
                               report.get("acceptance_length_promoted"))
     first = report["benchmarks"][promote_on]["settings"][0]
     promoted = report.get("benchmarks_promoted")
     return ComparedFigure(
-        f"{promote_on} acceptance length at {first['steps']},{first['topk']},{first['draft_tokens']}",
+        f"measured acceptance length on {promote_on} at {first['steps']},{first['topk']},{first['draft_tokens']}",
         first["acceptance_length"],
         None if promoted is None else promoted[promote_on]["settings"][0]["acceptance_length"],
     )

@@ -5,7 +5,7 @@
 Writes into ``<run_dir>``:
 
     draft/                    the trained draft for SGLang/vLLM (config.json + model.safetensors)
-    report/report.md          before/after (and promoted) acceptance lengths, then the measured-vs-
+    report/report.md          before/after (and promoted) measured acceptance lengths, then the measured-vs-
                               simulated validation report of specforge_core.evaluate; links curves.png
     report/curves.png         loss, per-position accuracy, simulated and measured acceptance length
     report/validation-*.md    the evaluator's own report for each draft measured
@@ -67,11 +67,12 @@ def render_summary(rows: dict[str, tuple[str, dict | None]], config: RunConfig, 
         "# colocated-train: validation", "", f"Draft family: **{family}**.", "",
         f"Measured by speculative decoding of {v.num_prompts} held-out prompts with the target "
         f"(greedy, {config.validation_num_steps} draft tokens per verify pass, up to {v.max_new_tokens} new tokens each).", "",
-        "| draft | directory | acceptance length | per-position acceptance |", "|---|---|---|---|",
+        "| draft | directory | measured acceptance length | per-position acceptance |", "|---|---|---|---|",
         *(_row(label, path, result) for label, (path, result) in rows.items()), "",
         f"![loss and acceptance curves]({plot_link})", "",
-        "Left: training loss. Middle: per-position draft accuracy on training data. Right: simulated "
-        "acceptance length from those accuracies, with the measured ones as points.", "",
+        "Measured acceptance length: tokens each target forward (verify pass) emits, 1.0 without a draft. "
+        "Left: training loss. Middle: per-position draft accuracy on training data. Right: the simulated "
+        "acceptance length (from those accuracies) as a curve, the measured ones as points.", "",
     ]
     return "\n".join(lines)
 
@@ -90,7 +91,8 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
 
     def measure(label: str, path: Path, metrics_dir: Path) -> dict:
         result = evaluate(eval_config, path, report_path=run.validation_report(label), run_dir=metrics_dir)
-        logger.info("acceptance length of the %s draft (%s): %.3f", label, path, result["acceptance_length"])
+        logger.info("measured acceptance length of the %s draft: %.3f tokens per target forward on %d "
+                    "held-out prompts (%s)", label, result["acceptance_length"], result["prompts"], path)
         return result
 
     def benchmark(label: str, path: Path, metrics_dir: Path) -> dict:
@@ -99,7 +101,7 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
         for name, b in result["benchmarks"].items():
             figures = ", ".join("n/a" if s["acceptance_length"] is None else f"{s['acceptance_length']:.3f} at "
                                 f"{s['steps']},{s['topk']},{s['draft_tokens']}" for s in b["settings"])
-            logger.info("%s draft on %s: acceptance length %s (%d prompts, %d requests, %.1f s)", label, name,
+            logger.info("%s draft on %s: measured acceptance length %s (%d prompts, %d requests, %.1f s)", label, name,
                         figures, b["prompts"], b["requests"], b["seconds"])
         return result
 
@@ -135,7 +137,7 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
         key="validation-report",
         markdown=summary.replace(f"]({plot.name})", f"]({inline})")
         + f"\nFiles: report `{report}`, plot `{plot}`, draft `{draft_dir}`.\n\n" + evaluator_report,
-        description="measured acceptance length before/after training; loss and acceptance curves",
+        description="measured acceptance length before/after training (held-out prompts); loss and acceptance curves",
     )
     return {
         "run_dir": str(run.root), "draft_family": family.name, "draft_dir": str(draft_dir), "report": str(report), "plot": str(plot),

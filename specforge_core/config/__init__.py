@@ -160,14 +160,53 @@ class DFlashSection(_Section):
         return v
 
 
+class DSparkSection(DFlashSection):
+    """The DSpark family's fields (``draft.family: dspark``; docs/dspark.md): DFlash's backbone
+    fields, then its heads and loss. Defaults are speculators 0.9.0's DSpark trainer defaults."""
+
+    block_size: int = Field(8, description="Tokens per block: the anchor and B-1 masks; all B draft with "
+                            "sample_from_anchor.")
+    num_layers: int = Field(5, ge=1, description="Draft decoder layers.")
+    loss_decay_gamma: float = Field(4.0, gt=0, description="Slot k weighs exp(-(k-s)/gamma), s the first drafting slot.")
+    markov_rank: int = Field(256, ge=0, description="Rank of the Markov logit bias; 0 disables the head.")
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = Field("vanilla", description="Markov head variant.")
+    enable_confidence_head: bool = Field(True, description="Predict each slot's acceptance probability.")
+    confidence_head_with_markov: bool = Field(
+        True, description="Feed the Markov previous-token embedding to the confidence head (needs markov_rank > 0)."
+    )
+    sample_from_anchor: bool = Field(True, description="The anchor slot drafts too (slot k predicts token a+k+1).")
+    loss_terms: dict[Literal["kl_div", "tv", "ce"], float] = Field(
+        default_factory=lambda: {"kl_div": 1.0}, description="Distillation terms and their weights."
+    )
+    per_position_loss_weight: Literal["fixed-exp-decay", "dpace"] = Field(
+        "fixed-exp-decay", description="Slot weights: the gamma decay, or D-PACE (needs loss_terms {ce: 1.0})."
+    )
+    dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing.")
+    confidence_head_alpha: float = Field(1.0, ge=0, description="Weight of the confidence head's BCE term.")
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> "DSparkSection":
+        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
+            raise ValueError("confidence_head_with_markov reads the Markov head, but markov_rank is 0: set "
+                             "confidence_head_with_markov: false or markov_rank > 0")
+        if self.per_position_loss_weight == "dpace" and set(self.loss_terms) != {"ce"}:
+            raise ValueError("per_position_loss_weight=dpace weighs slots by their cross-entropy: set "
+                             "loss_terms: {ce: 1.0} (speculators' rule) or use fixed-exp-decay")
+        if not self.loss_terms:
+            raise ValueError("loss_terms is empty: give at least one of kl_div, tv, ce with a weight")
+        return self
+
+
 class DraftConfig(_Section):
     """The draft model: its family, the EAGLE3 family's fields, and ``draft.dflash`` for DFlash."""
 
-    family: Literal["eagle3", "dflash"] = Field(
-        "eagle3", description="Draft family: eagle3 (one layer over 3 captured target layers, chain drafting) or "
-        "dflash (a block of drafts in one forward, context injected as keys/values)."
+    family: Literal["eagle3", "dflash", "dspark"] = Field(
+        "eagle3", description="Draft family: eagle3 (one layer over 3 captured target layers, chain drafting), "
+        "dflash (a block of drafts in one forward, context injected as keys/values) or dspark (dflash with a "
+        "Markov logit bias and a confidence head)."
     )
     dflash: DFlashSection = Field(default_factory=DFlashSection)
+    dspark: DSparkSection = Field(default_factory=DSparkSection)
     config_path: str | None = Field(None, description="Draft config JSON; generated from the target if unset.")
     draft_vocab_size: int = Field(32000, gt=0, description="Draft vocabulary size Vd (≤ target vocab).")
     init_from: str | None = Field(
@@ -501,6 +540,8 @@ class RunConfig(_Section):
         """Draft tokens per verify round for validation: ``validation.num_steps`` or the family's default."""
         if self.validation.num_steps is not None:
             return self.validation.num_steps
+        if self.draft.family == "dspark":
+            return self.draft.dspark.block_size - (0 if self.draft.dspark.sample_from_anchor else 1)
         return self.draft.dflash.block_size - 1 if self.draft.family == "dflash" else 3
 
     def _check_sglang_capacity(self, topology) -> None:

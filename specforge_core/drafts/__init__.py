@@ -23,6 +23,7 @@ from specforge_core.errors import ConfigError, ModelError
 FAMILIES = {
     "eagle3": "specforge_core.drafts.eagle3.family",
     "dflash": "specforge_core.drafts.dflash.family",
+    "dspark": "specforge_core.drafts.dspark.family",
 }
 # the config files a draft directory may hold: an export, or a checkpoint step directory
 CONFIG_FILES = ("config.json", "draft_config.json")

@@ -25,7 +25,7 @@ rollout stream, and nothing derives it again.
 """
 
 import contextlib
-
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -243,6 +243,7 @@ def launch_rank(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
     from specforge_core.launch.preflight import check_run_inputs
     from specforge_core.system.compile import compile_cache
 
+    started = time.monotonic()
     topology = Topology.launched(cfg, d.world_size)  # torchrun's world must be the config's
     checked = check_run_inputs(cfg)  # config files only: refuses mismatches before anything is written
     with hold_run_lock(cfg, d), compile_cache(RunDir(cfg.output.dir).compile_cache):
@@ -251,6 +252,8 @@ def launch_rank(cfg, d, *, manifest=None, plan_path: str | None = None) -> None:
         else:
             inputs = resolve_inputs(cfg, d, checked, topology, plan_path=plan_path)
         trainer, backend = build_training(cfg, d, inputs, checked)
+        print(f"rank {d.rank}/{d.world_size} started on {d.device}: target and draft built in "
+              f"{time.monotonic() - started:.1f} s", flush=True)
         try:
             trainer.fit()
         finally:

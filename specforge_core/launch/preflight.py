@@ -109,7 +109,8 @@ def check_target_files(cfg) -> CheckedInputs:
     if given is not None:
         family.check_draft_config(cfg, given, target_config, V)
     if cfg.capture.backend == "sglang":
-        where = "draft.dflash.target_layer_ids" if cfg.draft.family == "dflash" else "model.capture_layer_ids"
+        where = (f"draft.{cfg.draft.family}.target_layer_ids" if cfg.draft.family in ("dflash", "dspark")
+                 else "model.capture_layer_ids")
         check_layer_ids(layer_ids, text_config(target_config).num_hidden_layers, where=where)
     return CheckedInputs(tokenizer=None, target_config=target_config, vocab_size=V, family=family,
                          layer_ids=layer_ids)

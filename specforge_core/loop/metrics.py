@@ -71,13 +71,13 @@ def format_line(record: MetricsRecord) -> str:
         ("loss", "loss", ".4f"),
         ("acc_0", "acc_0", ".3f"),
         ("samples_per_s", "samples/s", ".2f"),
-        ("simulated_accept_length_with_bonus", "accept_len", ".3f"),
+        ("simulated_accept_length_with_bonus", "simulated_len", ".3f"),
         ("lr", "lr", ".2e"),
         ("grad_norm", "grad_norm", ".3f"),
         ("capture_share", "capture", ".0%"),
         ("bubble", "bubble", ".0%"),
         ("budget_fraction", "budget", ".0%"),
-        ("heldout_acceptance_length", "heldout_len", ".3f"),
+        ("heldout_acceptance_length", "measured_len", ".3f"),
     ):
         if record.get(key) is not None:
             parts.append(f"{label}={record[key]:{fmt}}")

@@ -15,7 +15,7 @@ import pytest
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import FlowRunFilter, LogFilter
 
-from deployments.local_stack import PROJECT_DIR, LocalPrefect
+from flows.local_stack import PROJECT_DIR, LocalPrefect
 from specforge_core.loop.checkpoint import latest_checkpoint
 from tasks.process_group import tree_members
 from specforge_core.run.directory import RunDir

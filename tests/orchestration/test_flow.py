@@ -108,7 +108,7 @@ def test_later_runs_reuse_the_data_stages_and_promote_only_a_better_draft(first,
     second_id, second_result = _run(config)
     assert not second_result["promotion"]["promote"]  # warm start, but not 100 tokens better
     decision = _artifact("promotion-decision", second_id).data
-    assert "kept the promoted draft" in decision and f"| | {prompts} acceptance length at 2,1,3 |" in decision
+    assert "kept the promoted draft" in decision and f"| | measured acceptance length on {prompts} at 2,1,3 |" in decision
     row = second_result["benchmarks"][str(prompts)]["settings"][0]
     assert second_result["promotion"]["new"] == row["acceptance_length"]
     assert second_result["promotion"]["promoted"] == \

@@ -48,7 +48,7 @@ def _report(held_out, held_out_promoted, tau, tau_promoted):
 def test_promote_on_compares_that_benchmarks_first_setting_not_the_held_out_figure():
     report = _report(held_out=1.9, held_out_promoted=1.5, tau=2.0, tau_promoted=2.4)
     figure = compared_figure(report, promote_on="mt-bench")
-    assert (figure.name, figure.new, figure.promoted) == ("mt-bench acceptance length at 3,1,4", 2.0, 2.4)
+    assert (figure.name, figure.new, figure.promoted) == ("measured acceptance length on mt-bench at 3,1,4", 2.0, 2.4)
     assert not promotion_decision(figure.new, figure.promoted, margin=0.0).promote
     held_out = compared_figure(report, promote_on=None)
     assert (held_out.new, held_out.promoted) == (1.9, 1.5)

@@ -1,7 +1,9 @@
 """tasks/torchrun.py under the real Prefect engine, with a real launcher → 2-rank process tree."""
 
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,8 +13,10 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, LogFilter
 from prefect.logging.handlers import APILogWorker
+from tqdm import tqdm
 
-from tasks.process_group import TREE_TOKEN_ENV, LineBudget, ProcessGroupFailed, kill_recorded_tree, stop_process_tree
+from tasks.process_group import (TREE_TOKEN_ENV, LineBudget, ProcessGroupFailed, kill_recorded_tree, shown_in_run_log,
+                                 stop_process_tree)
 from tests.orchestration.conftest import alive, read_pids, wait_for
 from tests.orchestration.fixtures.launcher_flow import FAKE_LAUNCHER, launcher_flow
 
@@ -103,6 +107,33 @@ def test_rate_limit_holds_lines_back_but_the_log_file_keeps_all(prefect_api, tmp
     assert len(shown) == 12
     assert any(m.startswith("(38 lines not shown here") for m in _logs(state.state_details.flow_run_id))
     assert len((tmp_path / "launcher.log").read_text().splitlines()) == 50
+
+
+def test_run_logs_get_each_rank_start_step_and_checkpoint_line_but_no_progress_bar(prefect_api, tmp_path):
+    state = launcher_flow(str(tmp_path), steps=2, loading_bars=True, return_state=True)
+    messages = _logs(state.state_details.flow_run_id)
+    assert [m for m in messages if m.startswith(("rank ", "step=", "checkpoint "))] == [
+        "rank 0/2 started", "rank 1/2 started", "step=1/2 loss=5.0000 acc_0=0.000",
+        "step=2/2 loss=2.5000 acc_0=0.500", "checkpoint step-00000002 saved"]
+    assert not [m for m in messages if "Loading weights" in m]
+    assert (tmp_path / "launcher.log").read_text().count("Loading weights:   0%") == 2  # each bar is kept
+
+
+def test_the_run_log_filter_drops_tqdm_frames_and_keeps_the_trainers_lines():
+    frames = io.StringIO()
+    for _ in tqdm(range(75), desc="Loading weights", file=frames, mininterval=0):
+        pass
+    for _ in tqdm(iter(range(12)), desc="Writing model shards", file=frames, mininterval=0):  # no total
+        pass
+    frames = [f for f in re.split(r"[\r\n]", frames.getvalue()) if f.strip()]
+    assert len(frames) > 4 and not [f for f in frames if shown_in_run_log(f)]
+    assert all(map(shown_in_run_log, [
+        "rank 1/2 started on cpu: target and draft built in 9.9 s",
+        "step=40/80 loss=5.7496 acc_0=0.317 samples/s=1.78 simulated_len=1.398 lr=2.81e-04 capture=60%",
+        "checkpoint step-00000040 saved", "resumed from runs/x/checkpoints/step-00000010 at step 10/80",
+        "RuntimeError: rank 1 failed: 100% of the 16/16 GiB in use",
+    ]))
+    assert not shown_in_run_log("   ")
 
 
 def test_sigterm_of_the_flow_run_process_leaves_no_rank_alive(prefect_api, tmp_path):

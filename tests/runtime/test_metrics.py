@@ -156,9 +156,11 @@ def test_records_after_the_resumed_step_are_discarded(tmp_path):
     assert [json.loads(x)["step"] for x in (tmp_path / METRICS_FILE).read_text().splitlines()] == [1, 2, 3]
 
 
-def test_format_line_shows_the_objectives_simulated_acceptance_length():
-    line = format_line({"step": 3, "total_steps": 9, "simulated_accept_length_with_bonus": 1.625})
-    assert "accept_len=1.625" in line
+def test_format_line_names_the_simulated_and_the_measured_acceptance_length():
+    line = format_line({"step": 3, "total_steps": 9, "simulated_accept_length_with_bonus": 1.625,
+                        "heldout_acceptance_length": 1.25})
+    assert "simulated_len=1.625" in line and "measured_len=1.250" in line
+    assert " accept_len=" not in line and "heldout_len=" not in line
 
 
 def test_capture_times_are_read_at_the_flush_not_when_added(tmp_path):

@@ -41,13 +41,14 @@ class DFlashFamily:
     # ---- configuration ---------------------------------------------------------------------------
 
     def check_config(self, cfg) -> None:
-        """Refuse the fields a DFlash draft does not read (each means something to EAGLE3 only)."""
+        """Refuse the fields a DFlash-family draft (DFlash, and DSpark, which inherits this) does not
+        read: each means something to EAGLE3 only."""
         if cfg.model.capture_layer_ids is not None:
+            ids = f"draft.{cfg.draft.family}.target_layer_ids"
             raise ConfigError(
-                "model.capture_layer_ids picks EAGLE3's three layers; a DFlash draft reads "
-                "draft.dflash.target_layer_ids",
+                f"model.capture_layer_ids picks EAGLE3's three layers; a DFlash-family draft reads {ids}",
                 where="model.capture_layer_ids",
-                fix="move the ids to draft.dflash.target_layer_ids, or remove model.capture_layer_ids",
+                fix=f"move the ids to {ids}, or remove model.capture_layer_ids",
             )
         if cfg.training.feature_noise:
             raise ConfigError(

@@ -26,7 +26,6 @@ speculators writes it; vLLM shares the target's when the copy is equal, and spec
 loader leaves a missing embedding uninitialised under transformers 5). docs/export.md.
 """
 
-import json
 from pathlib import Path
 
 import torch
@@ -35,10 +34,10 @@ from safetensors.torch import save
 from specforge_core.drafts.eagle3.draft_config import capture_layer_ids_of, serving_config_dict, vllm_layer_ids
 from specforge_core.drafts.eagle3.model import EMBEDDING_KEY, Eagle3DraftModel, read_target_embedding
 from specforge_core.drafts.eagle3.serving import DTYPES, check_serving_state
+from specforge_core.drafts.speculators_layout import SPECULATORS_VERSION, target_architectures
 from specforge_core.errors import CheckpointError, ModelError
 from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_directory
 
-SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout is tested against
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 # Fields of the exported draft config that make up the decoder layer's config.
@@ -92,19 +91,6 @@ def speculators_config(config, *, verifier: str, verifier_architectures: list[st
     }
 
 
-def _target_architectures(target_dir: Path) -> list[str]:
-    path = target_dir / "config.json"
-    try:
-        architectures = json.loads(path.read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError) as e:
-        raise ModelError(f"cannot read the target's config ({e})", where=str(path),
-                         fix="give --target the local Hugging Face directory of the target the draft was trained on") from None
-    if not architectures:
-        raise ModelError("the target's config names no architectures", where=f"{path}: architectures",
-                         fix="give --target a Hugging Face model directory whose config.json has architectures")
-    return list(architectures)
-
-
 def export_speculators(model: Eagle3DraftModel, out_dir: str | Path, *, target_dir: str | Path,
                        verifier: str | None = None, speculative_tokens: int = 3, dtype: str = "keep") -> Path:
     """Write the speculators layout of ``model`` into ``out_dir`` (atomically; ``out_dir`` must be
@@ -123,7 +109,7 @@ def export_speculators(model: Eagle3DraftModel, out_dir: str | Path, *, target_d
         raise ModelError(f"speculative_tokens={speculative_tokens}", where="--speculative-tokens",
                          fix="give the number of draft tokens per verify pass, at least 1")
     target_dir, out = Path(target_dir), Path(out_dir)
-    architectures = _target_architectures(target_dir)
+    architectures = target_architectures(target_dir)
     state = {}
     for key, tensor in model.draft_state_dict().items():
         if dtype != "keep" and tensor.is_floating_point():

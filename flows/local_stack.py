@@ -85,6 +85,11 @@ class LocalPrefect:
                 time.sleep(0.3)
         raise RuntimeError(f"prefect server not healthy after {timeout_s:.0f} s; see {self.home / 'server.log'}")
 
+    def wait(self) -> None:
+        """Block until every process started here has exited (the server runs until stopped)."""
+        for _, proc in self.procs:
+            proc.wait()
+
     def start_worker(self, pool: str, name: str = "worker") -> subprocess.Popen:
         return self._spawn(name, ["worker", "start", "--pool", pool, "--name", f"{name}-{self.port}"])
 

@@ -1,0 +1,139 @@
+"""DSpark draft files: a checkpoint step's pair, our export, reload and warm start.
+
+    out = export_dspark(draft, "drafts/smollm2-dspark", dtype="bfloat16")
+    again = load_exported_dspark(out)                 # bit-identical outputs
+    draft = warm_start_dspark(out, run_config)        # refuses a draft made for other settings
+
+An export is ``config.json`` (the DFlash fields, ``architectures: ["Qwen3DSparkModel"]`` and
+the DSpark fields: ``settings.dspark_config_to_dict``) and ``model.safetensors`` holding DFlash's
+serving keys plus the heads' (``markov_head.markov_w1.weight`` ``[V, r]``, ``markov_head.markov_w2.weight`` ``[V, r]``, the
+``gate_proj`` or ``joint_proj`` weight and bias of a gated or rnn head,
+``confidence_head.proj.{weight,bias}``). A missing, unexpected or misshapen key is refused before
+anything is written; directories are written atomically. vLLM's layout is ``speculators_format``.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from specforge_core.drafts.dflash.serving import _WARM_START_FIELDS, DTYPES, EXPORT_CONFIG, EXPORT_WEIGHTS, serving_keys
+from specforge_core.drafts.dspark.architecture import DSparkDraftModel
+from specforge_core.drafts.dspark.settings import dspark_config_from_dict, dspark_config_to_dict, dspark_fields
+from specforge_core.errors import CheckpointError, ModelError
+from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_directory
+from specforge_core.loop.checkpoint import DRAFT_CONFIG as CHECKPOINT_CONFIG
+from specforge_core.loop.checkpoint import DRAFT_WEIGHTS as CHECKPOINT_WEIGHTS
+
+
+def dspark_keys(config) -> dict[str, tuple[int, ...]]:
+    """Key → shape of a DSpark draft's tensors: DFlash's serving keys and the heads'."""
+    keys = serving_keys(config)
+    f, v, h = dspark_fields(config), config.vocab_size, config.hidden_size
+    r = f["markov_rank"]
+    if r:
+        keys |= {"markov_head.markov_w1.weight": (v, r), "markov_head.markov_w2.weight": (v, r)}
+        if f["markov_head_type"] == "gated":
+            keys |= {"markov_head.gate_proj.weight": (r, h + r), "markov_head.gate_proj.bias": (r,)}
+        elif f["markov_head_type"] == "rnn":
+            keys |= {"markov_head.joint_proj.weight": (3 * r, 2 * r + h), "markov_head.joint_proj.bias": (3 * r,)}
+    if f["enable_confidence_head"]:
+        width = h + (r if f["confidence_head_with_markov"] else 0)
+        keys |= {"confidence_head.proj.weight": (1, width), "confidence_head.proj.bias": (1,)}
+    return keys
+
+
+def check_dspark_state(state: dict[str, torch.Tensor], config, where: str) -> None:
+    """Raise ModelError naming every missing, unexpected, misshapen or non-float key."""
+    expected = dspark_keys(config)
+    problems = [f"missing {k}" for k in sorted(set(expected) - set(state))]
+    problems += [f"unexpected {k}" for k in sorted(set(state) - set(expected))]
+    for key in sorted(set(state) & set(expected)):
+        if tuple(state[key].shape) != expected[key] or not state[key].is_floating_point():
+            problems.append(f"{key} is {state[key].dtype}{list(state[key].shape)}, expected float{list(expected[key])}")
+    if problems:
+        raise ModelError("DSpark weights do not match the draft's key set: " + "; ".join(problems), where=where,
+                         fix="write a draft built for this config (no renamed, prefixed or extra tensors)")
+
+
+def _write_pair(model, directory: Path, config_name: str, weights_name: str, dtype: str, state_dict=None) -> None:
+    source = model.draft_state_dict() if state_dict is None else state_dict
+    state = {}
+    for key, tensor in source.items():
+        if dtype != "keep" and tensor.is_floating_point():
+            tensor = tensor.to(DTYPES[dtype])
+        state[key] = tensor.detach().to("cpu").contiguous()
+    check_dspark_state(state, model.config, where=str(directory / weights_name))
+    floats = {t.dtype for t in state.values()}
+    if len(floats) != 1:
+        raise ModelError(f"draft parameters mix dtypes {sorted(map(str, floats))}", where="draft model",
+                         fix="cast all draft parameters to one dtype (cast_params) or export with --dtype")
+    config = dspark_config_to_dict(model.config)
+    config["torch_dtype"] = config["dtype"] = str(floats.pop()).removeprefix("torch.")
+    atomic_write_bytes(directory / weights_name, save(state, metadata={"format": "pt"}))
+    atomic_write_json(directory / config_name, config, sort_keys=True)
+
+
+def _load_pair(directory: Path, config_name: str, weights_name: str, device) -> DSparkDraftModel:
+    config_path, weights_path = directory / config_name, directory / weights_name
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise CheckpointError(f"missing {path.name}", where=str(directory),
+                                  fix=f"expected {config_name} and {weights_name}")
+    config = dspark_config_from_dict(json.loads(config_path.read_text()), where=str(config_path))
+    with safe_open(str(weights_path), framework="pt", device="cpu") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    check_dspark_state(state, config, where=str(weights_path))
+    model = DSparkDraftModel(config).cast_params(next(iter(state.values())).dtype)
+    model.load_state_dict(state, strict=True)
+    return model.to(device)
+
+
+def export_dspark(model: DSparkDraftModel, out_dir: str | Path, dtype: str = "keep", state_dict=None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` atomically; return it
+    (``dtype``: ``keep`` or one of ``DTYPES``; ``state_dict``: e.g. gathered from FSDP2 shards)."""
+    if dtype != "keep" and dtype not in DTYPES:
+        raise ModelError(f"unknown export dtype {dtype!r}", where="--dtype",
+                         fix=f"use keep or one of {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    if out.exists() and not (out.is_dir() and {p.name for p in out.iterdir()} <= {EXPORT_CONFIG, EXPORT_WEIGHTS}):
+        raise CheckpointError("the export directory holds other files", where=str(out),
+                              fix="choose an empty or new output directory")
+    with staged_directory(out, replace=True) as stage:
+        _write_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype, state_dict)
+    return out
+
+
+def load_exported_dspark(directory: str | Path, device="cpu") -> DSparkDraftModel:
+    return _load_pair(Path(directory), EXPORT_CONFIG, EXPORT_WEIGHTS, device)
+
+
+def save_dspark_checkpoint_files(model: DSparkDraftModel, directory: str | Path, state_dict=None) -> None:
+    """``draft_config.json`` + ``draft.safetensors`` of a checkpoint step directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_pair(model, directory, CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, "keep", state_dict)
+
+
+def load_dspark_from_files(directory: str | Path, device="cpu") -> DSparkDraftModel:
+    return _load_pair(Path(directory), CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, device)
+
+
+def warm_start_dspark(directory: str | Path, config=None, device="cpu") -> DSparkDraftModel:
+    """A draft initialised from an export; with ``config`` (the run's), every shape- or
+    semantics-relevant field must match (ModelError names each difference)."""
+    model = load_exported_dspark(directory, device)
+    if config is not None:
+        diffs = [f"{name}: run {getattr(config, name, None)!r} vs {directory} {getattr(model.config, name, None)!r}"
+                 for name in _WARM_START_FIELDS if getattr(config, name, None) != getattr(model.config, name, None)]
+        for group, mine, theirs in (("dflash_config", config.dflash_config, model.config.dflash_config),
+                                    ("dspark_config", dspark_fields(config), dspark_fields(model.config))):
+            diffs += [f"{group}.{k}: run {mine.get(k)!r} vs {directory} {theirs.get(k)!r}"
+                      for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        if diffs:
+            raise ModelError("the warm-start DSpark draft does not fit this run: " + "; ".join(diffs),
+                             where="draft.init_from",
+                             fix="warm-start from a DSpark draft exported for the same target and draft.dspark settings")
+    return model
