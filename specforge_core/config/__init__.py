@@ -151,6 +151,19 @@ class DFlashSection(_Section):
         None, description="Per draft layer; default: all full_attention (bidirectional within the block)."
     )
     sliding_window: int | None = Field(None, gt=0, description="Window of sliding_attention layers.")
+    dflash2: bool = Field(False, description="DFlash2: add block-local dynamic convolutions around every sublayer "
+                          "and a low-rank candidate selector (speculators' dflash2; the fields below).")
+    conv_kernel_size: int = Field(2, ge=1, description="DFlash2: causal taps of each in-block convolution.")
+    conv_group_size: int = Field(16, ge=1, description="DFlash2: hidden channels sharing one dynamic kernel "
+                                 "(must divide hidden_size).")
+    selector_rank: int = Field(256, ge=1, description="DFlash2: rank of the candidate selector's factorisation.")
+    selector_top_k: int = Field(16, ge=1, description="DFlash2: unary candidates the selector reranks per slot.")
+    selector_loss_alpha: float = Field(1.0, ge=0, description="DFlash2: weight of the selector's cross-entropy "
+                                       "next to the unary one.")
+    sliding_window_non_causal: bool = Field(
+        True, description="DFlash2: bidirectional attention inside the block on sliding layers; only false is "
+        "implemented for sliding layers (full-attention layers are always bidirectional in the block)."
+    )
 
     @field_validator("block_size")
     @classmethod

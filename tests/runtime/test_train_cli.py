@@ -109,7 +109,9 @@ N = 2  # the killed run is checkpointed at step N and killed; both runs train 2N
 
 
 FAMILIES = {"eagle3": {"draft_vocab_size": 256},
-            "dflash": {"family": "dflash", "dflash": {"block_size": 4, "num_anchors": 16}}}
+            "dflash": {"family": "dflash", "dflash": {"block_size": 4, "num_anchors": 16}},
+            "dflash2": {"family": "dflash", "dflash": {"block_size": 4, "num_anchors": 16, "dflash2": True,
+                                                       "selector_rank": 8, "selector_top_k": 4}}}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -22,7 +22,8 @@ from specforge_core.drafts.dflash.serving import (
     warm_start_dflash,
 )
 from specforge_core.drafts.dflash.model import DFlashDraftModel
-from specforge_core.drafts.dflash.objective import anchor_generator, dflash_loss, summarize_dflash_metrics
+from specforge_core.drafts.dflash.inputs import anchor_generator
+from specforge_core.drafts.dflash.objective import dflash_loss, summarize_dflash_metrics
 
 __all__ = [
     "DFlashDraftModel",

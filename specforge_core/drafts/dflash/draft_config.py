@@ -26,6 +26,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, Qwen3Config
 
+from specforge_core.drafts.dflash import dflash2
 from specforge_core.errors import ConfigError, ModelError
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -119,12 +120,15 @@ def dflash_config_from_target(
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
     rope_theta: float | None = None,
+    dflash2_fields: dict | None = None,
 ) -> Qwen3Config:
     """Generate a DFlash draft config for ``target_config`` (any decoder-only text config).
 
     ``target_layer_ids`` default: ``build_target_layer_ids(L, num_layers)`` (SpecForge ties K to
     the draft depth when the ids are not given). ``layer_types`` default: all full attention;
     sliding layers need ``sliding_window``. ``rope_theta`` default: the target's, else 1e6.
+    ``dflash2_fields`` (a subset of ``dflash2.DEFAULTS``; ``{}`` for all defaults) makes it a
+    DFlash2 draft: the fields go into ``dflash_config``.
     Raises ConfigError / ModelError for every invalid field (``check_dflash_config``) and for a
     target whose width or attention layout the draft cannot take.
     """
@@ -170,7 +174,8 @@ def dflash_config_from_target(
         pad_token_id=0 if getattr(text, "pad_token_id", None) is None else int(text.pad_token_id),
         block_size=block_size,
         num_target_layers=int(layers),
-        dflash_config={"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id},
+        dflash_config={"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id,
+                       **({} if dflash2_fields is None else {**dflash2.DEFAULTS, **dflash2_fields})},
     )
     config = _build(fields, "draft config")
     check_fits_target(config, target_config)
@@ -268,6 +273,10 @@ def _check_fields(f: dict, where: str) -> None:
             where="draft.dflash.sliding_window",
             fix=f"set draft.dflash.sliding_window to an integer >= {block} (e.g. 2048), or use full_attention layers",
         )
+    fields2 = dflash2.dflash2_fields(dflash)
+    if fields2 is not None:
+        dflash2.check_dflash2_fields(fields2, hidden_size=f.get("hidden_size"), block_size=block,
+                                     vocab_size=vocab, layer_types=types)
     heads, head_dim = f.get("num_attention_heads"), f.get("head_dim")
     kv = f.get("num_key_value_heads") or heads
     problems = []
@@ -316,12 +325,17 @@ def mask_token_id_of(config: Qwen3Config) -> int:
     return int(config.dflash_config["mask_token_id"])
 
 
+def dflash2_of(config: Qwen3Config) -> dict | None:
+    """The DFlash2 fields (conv, selector, sliding masking) of a config, None for plain DFlash."""
+    return dflash2.dflash2_fields(config.dflash_config)
+
+
 def dflash_config_to_dict(config: Qwen3Config) -> dict:
     """The JSON form: the config's fields plus both RoPE forms (``rope_parameters`` and legacy
     ``rope_theta``/``rope_scaling``, which older engines read); no ``auto_map``."""
     out = config.to_dict()
     rope = dict(out["rope_parameters"])
-    out["architectures"] = [ARCHITECTURE]
+    out["architectures"] = [ARCHITECTURE if dflash2_of(config) is None else dflash2.ARCHITECTURE]
     out["model_type"] = "qwen3"
     out["rope_theta"] = rope["rope_theta"]
     legacy = {k: v for k, v in rope.items() if k != "rope_theta"}

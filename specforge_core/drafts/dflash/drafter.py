@@ -19,7 +19,8 @@ decodes:
 - ``propose(n)``: the block ``[c, MASK × n]`` at positions ``s .. s+n`` in one forward; full
   layers attend bidirectionally to the whole block and every context row, sliding layers
   causally within the block and to context positions ``>= s + o - (W-1)``; the proposal is the
-  full-vocab argmax of ``target_head(h)`` at slots 1..n. The block's own keys/values are
+  full-vocab argmax of ``target_head(h)`` at slots 1..n (DFlash2: the selector's greedy walk,
+  ``dflash2.select_tokens``, from the pending token). The block's own keys/values are
   discarded. ``n = block_size - 1`` is the trained setting (and SGLang's default); another n
   runs a block of n+1, as SGLang does when the serve block size differs.
 
@@ -29,6 +30,7 @@ Rows are independent: rows extended by fewer tokens get dead (masked) cache colu
 import torch
 import torch.nn.functional as F
 
+from specforge_core.drafts.dflash.dflash2 import select_tokens
 from specforge_core.drafts.dflash.model import DFlashDraftModel, dense_attend
 
 
@@ -108,6 +110,8 @@ class DFlashDrafter:
     def propose(self, num_steps: int) -> list[list[int]]:
         """Per batch row, the ``num_steps`` target ids the block predicts after its pending token."""
         hidden = self.block_hidden(num_steps)[:, 1:]
+        if self.draft.candidate_selector is not None:
+            return select_tokens(self.draft.candidate_selector, hidden, self.lm_head_weight, self.pending).tolist()
         return (hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T).argmax(-1).tolist()
 
     @torch.inference_mode()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from specforge_core.capture.target_info import text_config
+from specforge_core.drafts.dflash import dflash2
 from specforge_core.drafts.dflash import draft_config as configs
 from specforge_core.drafts.dflash import serving
 from specforge_core.drafts.dflash.model import DFlashDraftModel
@@ -31,9 +32,16 @@ def batch_generator(seed: int, task_ids) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
+def dflash2_run_fields(section) -> dict | None:
+    """The DFlash2 fields of a run config's ``draft.dflash`` section (None when ``dflash2`` is off)."""
+    if not section.dflash2:
+        return None
+    return {name: getattr(section, name) for name in dflash2.DEFAULTS}
+
+
 class DFlashFamily:
     name = "dflash"
-    architectures = ("DFlashDraftModel",)
+    architectures = ("DFlashDraftModel", "DFlash2DraftModel")
     uses_vocab_map = False
     captures_last_hidden = False
     loss_is_sum = True
@@ -102,6 +110,7 @@ class DFlashFamily:
         return configs.dflash_config_from_target(
             target_config, block_size=d.block_size, num_layers=d.num_layers, target_layer_ids=list(layer_ids),
             mask_token_id=mask, layer_types=d.layer_types, sliding_window=d.sliding_window,
+            dflash2_fields=dflash2_run_fields(d),
         )
 
     def tokenizer_token_ids(self, cfg) -> tuple[str, ...]:
@@ -114,7 +123,10 @@ class DFlashFamily:
         (``8H + 2·kv + 3I`` values) and its embedding, final norm and head inputs (``2H``); every
         context token's ``fc`` and ``hidden_norm`` outputs (``2H``) and its keys and values in every
         layer (``2·kv`` each); and the target-head cross-entropy's fp32 ``[2048, V]`` chunk with its
-        gradient (``objective.target_cross_entropy``)."""
+        gradient (``fast.chunked_ce.target_cross_entropy``). DFlash2 adds per query four convolutions per
+        layer (input, kernels and output: ``4·(2H + 2·K_conv·G)``) and the selector's fp32 scores and
+        gathered codebook rows (``top_k · (3·rank + 2)``), plus one fp32 ``[2048, top_k, H]`` chunk
+        of candidate head rows."""
         c = 2 if cfg.training.param_dtype == "bfloat16" else 4  # bytes per value of the compute dtype
         d = cfg.draft.dflash
         h, i, layers = draft_config.hidden_size, draft_config.intermediate_size, draft_config.num_hidden_layers
@@ -122,11 +134,21 @@ class DFlashFamily:
         queries = samples * min(d.num_anchors, -(-tokens // samples)) * draft_config.block_size
         per_query = (layers * (8 * h + 2 * kv + 3 * i) + 2 * h) * c
         per_context = (2 * h + layers * 2 * kv) * c
-        return queries * per_query + tokens * per_context + 2 * 2048 * draft_config.vocab_size * 4
+        total = queries * per_query + tokens * per_context + 2 * 2048 * draft_config.vocab_size * 4
+        extra = configs.dflash2_of(draft_config)
+        if extra is not None:
+            groups, top_k = h // extra["conv_group_size"], extra["selector_top_k"]
+            conv = layers * 4 * (2 * h + 2 * extra["conv_kernel_size"] * groups) * c
+            selector = top_k * (3 * extra["selector_rank"] + 2) * 4
+            total += queries * (conv + selector) + 2048 * top_k * h * 4
+        return total
 
     def contract_fields(self, cfg) -> dict:
         d = cfg.draft.dflash
-        return {"dflash.num_anchors": d.num_anchors, "dflash.loss_decay_gamma": d.loss_decay_gamma}
+        fields = {"dflash.num_anchors": d.num_anchors, "dflash.loss_decay_gamma": d.loss_decay_gamma}
+        if d.dflash2:
+            fields["dflash.selector_loss_alpha"] = d.selector_loss_alpha
+        return fields
 
     def serving_config(self, config) -> dict:
         return configs.dflash_config_to_dict(config)
@@ -155,6 +177,7 @@ class DFlashFamily:
                 draft, batch, embed_weight=embed, lm_head_weight=head, block_size=draft.config.block_size,
                 num_anchors=d.num_anchors, loss_decay_gamma=d.loss_decay_gamma,
                 generator=batch_generator(seed, getattr(batch, "task_ids", ())), backend=backend_name,
+                selector_loss_alpha=d.selector_loss_alpha,
             )
 
         return loss

@@ -34,7 +34,13 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from specforge_core.drafts.dflash.draft_config import check_dflash_config, mask_token_id_of, target_layer_ids_of
+from specforge_core.drafts.dflash.dflash2 import BlockConv, CandidateSelector, selector_training_scores
+from specforge_core.drafts.dflash.draft_config import (
+    check_dflash_config,
+    dflash2_of,
+    mask_token_id_of,
+    target_layer_ids_of,
+)
 from specforge_core.errors import ModelError
 
 Attend = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -108,6 +114,9 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
+    """One draft layer; a DFlash2 layer also convolves each sublayer's input and output within
+    the block (``attention_conv``, ``mlp_conv``: ``dflash2.BlockConv``)."""
+
     def __init__(self, config: Qwen3Config, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
@@ -115,10 +124,21 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
+        extra = dflash2_of(config)
+        if extra is not None:
+            conv = dict(block_size=int(config.block_size), kernel_size=extra["conv_kernel_size"],
+                        group_size=extra["conv_group_size"])
+            self.attention_conv = BlockConv(config.hidden_size, **conv)
+            self.mlp_conv = BlockConv(config.hidden_size, **conv)
 
     def forward(self, z, cos, sin, context, attend: Attend):
-        z = z + self.self_attn(self.input_layernorm(z), cos, sin, context, attend, self.layer_type)
-        return z + self.mlp(self.post_attention_layernorm(z))
+        if not hasattr(self, "attention_conv"):
+            z = z + self.self_attn(self.input_layernorm(z), cos, sin, context, attend, self.layer_type)
+            return z + self.mlp(self.post_attention_layernorm(z))
+        u, kernel = self.attention_conv.prepare(self.input_layernorm(z))
+        z = z + self.attention_conv.finish(self.self_attn(u, cos, sin, context, attend, self.layer_type), kernel)
+        u, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(z))
+        return z + self.mlp_conv.finish(self.mlp(u), kernel)
 
 
 class DFlashDraftModel(nn.Module):
@@ -144,15 +164,24 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, t) for t in self.layer_types)
         self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        extra = dflash2_of(config)
+        self.candidate_selector = None if extra is None else CandidateSelector(
+            config.vocab_size, h, rank=extra["selector_rank"], top_k=extra["selector_top_k"],
+            initializer_range=config.initializer_range,
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """transformers' init: normal(0, initializer_range) linears, unit norms (no copy from the target's layers)."""
+        """transformers' init: normal(0, initializer_range) linears, unit norms (no copy from the
+        target's layers); DFlash2's convolutions start as the identity, its selector normal."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
             elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():
+            if isinstance(module, (BlockConv, CandidateSelector)):
+                module.reset_parameters()
 
     def _fused_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         width = len(self.target_layer_ids) * self.config.hidden_size
@@ -189,7 +218,8 @@ class DFlashDraftModel(nn.Module):
         target_hidden: torch.Tensor | None = None,
         context_positions: torch.Tensor | None = None,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> torch.Tensor:
+        selector_query: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple]:
         """The final-normed draft output ``[b,Q,H]`` of the block stream (logits: times the
         target head).
 
@@ -198,6 +228,11 @@ class DFlashDraftModel(nn.Module):
         features ``target_hidden [b,C,K·H]`` at ``context_positions [b,C]`` (training: each
         layer projects them in its own forward) or cached ``context_kv`` (decoding, from
         ``context_kv``). ``attend``: see the module docstring.
+
+        ``selector_query`` (DFlash2 training): ``(lm_head_weight, rows, predecessor_ids [R],
+        target_ids [R])`` with ``rows`` indices into the flattened ``[b·Q]`` outputs; then returns
+        ``(hidden, dflash2.selector_training_scores(...))``, computed inside forward so that a
+        sharded selector is gathered.
         """
         if (target_hidden is None) == (context_kv is None):
             raise ValueError("give either target_hidden (with context_positions) or context_kv")
@@ -211,7 +246,12 @@ class DFlashDraftModel(nn.Module):
             contexts = [Context(kv=kv) for kv in context_kv]
         for layer, context in zip(self.layers, contexts):
             z = layer(z, cos, sin, context, attend)
-        return self.norm(z)
+        hidden = self.norm(z)
+        if selector_query is None:
+            return hidden
+        head, rows, predecessor_ids, target_ids = selector_query
+        return hidden, selector_training_scores(self.candidate_selector, hidden.flatten(0, 1)[rows], head,
+                                                predecessor_ids, target_ids)
 
     def cast_params(self, dtype: torch.dtype) -> "DFlashDraftModel":
         """Cast the parameters to ``dtype``, keeping the RoPE frequencies in fp32."""

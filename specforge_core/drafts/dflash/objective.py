@@ -6,11 +6,10 @@
     loss.backward()                       # the numerator Σ w·CE: see "normalisation" below
     summarize_dflash_metrics(sums)        # after summing sums over micro-steps and ranks
 
-``batch`` (mapping or object): ``input_ids``, ``attention_mask``, ``loss_mask`` ``[b,T]``,
-``aux_hidden [b,T,K·H]`` (the draft's target layers, concatenated in ``target_layer_ids``
-order), optional ``position_ids`` / ``seq_ids`` ``[b,T]`` for packed rows (``seq_ids`` -1 on
-padding). ``last_hidden`` is not read. The math (SpecForge's ``OnlineDFlashModel``), per **sample** (an unpacked
-row, or one document of a packed row), with within-sample positions:
+``batch``: a captured batch (``inputs.py``), ``aux_hidden [b,T,K·H]`` the draft's target
+layers concatenated in ``target_layer_ids`` order; ``last_hidden`` is not read. The math
+(SpecForge's ``OnlineDFlashModel``), per **sample** (an unpacked row, or one document of a
+packed row), with within-sample positions:
 
 - **anchors**: candidates p with ``lm[p]`` and ``lm[p+1]`` (p+1 in the sample). Sample by sample,
   in sample order (``seq_ids`` order; rows when unpacked), ``torch.rand(L_s, generator)`` draws
@@ -25,8 +24,8 @@ row, or one document of a packed row), with within-sample positions:
   Nothing crosses a sample or a block.
 - **weights**: ``w = keep · inbounds · (k>0) · lm[a+k] · exp(-(k-1)/γ)`` (no decay when γ is
   None), ``inbounds`` = ``a+k`` is a token of the same sample. Slot k predicts ``x[a+k]``.
-- **loss**: ``Σ w · CE(target_head(h), x[a+k])`` over the full target vocab, computed in row
-  chunks (``[rows, V]`` fp32 logits exist for one chunk at a time, in forward and backward).
+- **loss**: ``Σ w · CE(target_head(h), x[a+k])`` over the full target vocab (computed in row
+  chunks: ``fast/chunked_ce.py``).
 
 **Normalisation (the trainer's contract).** ``loss`` is the *numerator* ``Σ w·CE`` of this
 micro-batch and ``sums["weight_sum"]`` its ``Σ w``. The objective is the global weighted mean
@@ -42,31 +41,23 @@ the update if the global ``Σ w`` is 0.
 ``accept_reach[i]`` = blocks whose first i drafts (slots 1..i) all have a target and are
 argmax-correct (``accept_reach[0]`` = all blocks).
 
-Backends: ``sdpa`` (dense bool masks ``[b, Q, T+Q]``; CPU and GPU), ``flex`` (CUDA:
-``torch.nn.attention.flex_attention`` with a block mask from the same predicate; torch has no
-CPU flex backward), ``auto`` = flex on CUDA, sdpa elsewhere.
+Backends: ``sdpa`` (dense bool masks ``[b, Q, T+Q]`` from :func:`visible`; CPU and GPU),
+``flex`` (CUDA: a block mask from the same predicate, ``fast/flex_blocks.py``), ``auto`` = flex
+on CUDA, sdpa elsewhere. The anchors' generator is ``inputs.anchor_generator``.
 """
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specforge_core.drafts.dflash import dflash2
+from specforge_core.drafts.dflash.fast.chunked_ce import target_cross_entropy
+from specforge_core.drafts.dflash.fast.flex_blocks import flex_attend, pad_for_flex, resolve_block_backend
+from specforge_core.drafts.dflash.inputs import check_batch, check_settings, field, find_samples
 from specforge_core.drafts.dflash.model import dense_attend
-from specforge_core.errors import ConfigError, ModelError
 
-BACKENDS = ("auto", "sdpa", "flex")
 SUM_KEYS = ("weight_sum", "loss_sum", "correct", "total", "ce_sum", "accept_reach")
-REQUIRED_FIELDS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden")
-_compiled_flex = None
-
-
-def anchor_generator(seed: int, *, step: int, rank: int, micro_step: int) -> torch.Generator:
-    """A CPU generator for one micro-batch's anchors, a pure function of its coordinates (so a
-    resumed run redraws the same anchors)."""
-    digest = hashlib.sha256(f"dflash-anchors:{seed}:{step}:{rank}:{micro_step}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
 @dataclass
@@ -98,47 +89,6 @@ class DFlashBlocks:
         return self.ctx_pos.shape[1]
 
 
-def _field(batch, name):
-    return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
-
-
-def _samples(attention_mask, seq_ids, position_ids):
-    """Each token's sample and within-sample position, and each sample's row, start and length
-    (samples numbered in ``seq_ids`` order, rows when unpacked). Checks that every sample is one
-    contiguous run of its row and that given ``position_ids`` restart at 0 per sample."""
-    b, t = attention_mask.shape
-    real = attention_mask.bool()
-    device = real.device
-    rows = torch.arange(b, device=device)[:, None].expand(b, t)
-    sid = torch.where(real, rows if seq_ids is None else seq_ids.long(), -1)
-    flat = torch.nonzero(real.flatten()).flatten()
-    uniq, rank = torch.unique(sid.flatten()[flat], return_inverse=True)
-    ns = uniq.numel()
-    row, col = flat // t, flat % t
-    start = torch.full((ns,), t, device=device, dtype=torch.long).scatter_reduce(0, rank, col, "amin")
-    end = torch.zeros(ns, device=device, dtype=torch.long).scatter_reduce(0, rank, col, "amax")
-    row_min = torch.full((ns,), b, device=device, dtype=torch.long).scatter_reduce(0, rank, row, "amin")
-    row_max = torch.zeros(ns, device=device, dtype=torch.long).scatter_reduce(0, rank, row, "amax")
-    length = torch.bincount(rank, minlength=ns)
-    if not bool(((end - start + 1 == length) & (row_min == row_max)).all()):
-        raise ModelError(
-            "a sample is not one contiguous run of real tokens in one row",
-            where="captured batch: seq_ids",
-            fix="pack samples back to back (capture.packing.RowLayout); seq_ids -1 only on padding",
-        )
-    ctx_sample = torch.full((b * t,), -1, device=device, dtype=torch.long)
-    ctx_sample[flat] = rank
-    ctx_pos = torch.zeros(b * t, device=device, dtype=torch.long)
-    ctx_pos[flat] = col - start[rank]
-    if position_ids is not None and not torch.equal(position_ids.long().flatten()[flat], ctx_pos[flat]):
-        raise ModelError(
-            "position_ids do not restart at 0 for every sample",
-            where="captured batch: position_ids",
-            fix="give within-sample positions (capture.packing.RowLayout does), or leave them out",
-        )
-    return ctx_sample.view(b, t), ctx_pos.view(b, t), row_min, start, length
-
-
 def _sample_keys(lengths: list[int], generator: torch.Generator | None, device) -> torch.Tensor:
     """One uniform key per token, drawn sample by sample in sample order (the anchor contract)."""
     gen_device = generator.device if generator is not None else "cpu"
@@ -150,12 +100,12 @@ def build_blocks(
     batch, *, block_size: int, num_anchors: int, mask_token_id: int, generator: torch.Generator | None
 ) -> DFlashBlocks:
     """Sample the anchors of every sample and lay their blocks out per row (module docstring)."""
-    ids = _field(batch, "input_ids").long()
+    ids = field(batch, "input_ids").long()
     b, t = ids.shape
     device = ids.device
-    lm = _field(batch, "loss_mask").bool() & _field(batch, "attention_mask").bool()
-    ctx_sample, ctx_pos, s_row, s_start, s_len = _samples(
-        _field(batch, "attention_mask"), _field(batch, "seq_ids"), _field(batch, "position_ids")
+    lm = field(batch, "loss_mask").bool() & field(batch, "attention_mask").bool()
+    ctx_sample, ctx_pos, s_row, s_start, s_len = find_samples(
+        field(batch, "attention_mask"), field(batch, "seq_ids"), field(batch, "position_ids")
     )
     lengths = s_len.tolist()
     width = max(lengths, default=1)
@@ -233,157 +183,14 @@ def dense_masks(blocks: DFlashBlocks, layer_types, sliding_window: int | None) -
     return {lt: visible(blocks, rows, q, kv, _window(lt, sliding_window)) for lt in set(layer_types)}
 
 
-def _flex():
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
-
-
-def pad_for_flex(blocks: DFlashBlocks, aux_hidden: torch.Tensor, mask_token_id: int, multiple: int = 128):
-    """``(blocks, aux_hidden)`` with the context and the block stream padded to multiples of
-    ``multiple`` (flex's tile): padding context columns belong to no sample and padding block
-    slots are not kept, so nothing changes but the shapes (regular tiles, few recompiles; and
-    torch 2.11's inductor found no flex kernel for some sub-tile lengths)."""
-    nb, size, t = blocks.keep.shape[1], blocks.block_size, blocks.ctx_len
-    extra_t = -t % multiple
-    extra_nb = (-(nb * size) % multiple) // size if multiple % size == 0 else 0
-
-    def pad(x, value, n, dim):
-        shape = list(x.shape)
-        shape[dim] = n
-        return torch.cat([x, x.new_full(shape, value)], dim=dim)
-
-    blocks = DFlashBlocks(
-        size,
-        pad(blocks.ctx_sample, -1, extra_t, 1),
-        pad(blocks.ctx_pos, 0, extra_t, 1),
-        pad(blocks.sample, -2, extra_nb, 1),
-        pad(blocks.anchor_col, 0, extra_nb, 1),
-        pad(blocks.anchor_pos, 0, extra_nb, 1),
-        pad(blocks.keep, False, extra_nb, 1),
-        pad(blocks.tokens, mask_token_id, extra_nb, 1),
-        pad(blocks.labels, 0, extra_nb, 1),
-        pad(blocks.valid, False, extra_nb, 1),
-    )
-    return blocks, pad(aux_hidden, 0, extra_t, 1)
-
-
-def _mask_mod(blocks: DFlashBlocks, window: int | None):
-    # exactly four positional parameters: flex tells a mask_mod from a score_mod by their count
-    def mask_mod(b, h, q, kv):
-        return visible(blocks, b, q, kv, window)
-
-    return mask_mod
-
-
-def flex_attend(blocks: DFlashBlocks, layer_types, sliding_window: int | None):
-    """An ``attend`` running flex attention with a block mask per layer type (CUDA)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    b, nb = blocks.keep.shape
-    q_len = nb * blocks.block_size
-    device = blocks.keep.device
-    masks = {}
-    for lt in set(layer_types):
-        masks[lt] = create_block_mask(_mask_mod(blocks, _window(lt, sliding_window)), B=b, H=None, Q_LEN=q_len,
-                                      KV_LEN=blocks.ctx_len + q_len, device=device)
-    fn = _flex() if device.type == "cuda" else flex_attention
-
-    def attend(layer_type, q, k, v):
-        if q.is_cuda and q.shape[-1] < 16:
-            raise ConfigError(f"flex attention kernels need head_dim >= 16, the draft has {q.shape[-1]}",
-                              where="draft.attention_backend", fix="use attention_backend: sdpa for this draft")
-        return fn(q, k, v, block_mask=masks[layer_type], scale=q.shape[-1] ** -0.5, enable_gqa=True)
-
-    return attend
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown attention backend {backend!r}", where="draft.attention_backend",
-                          fix=f"use one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "sdpa"
-    if backend == "flex" and torch.device(device).type != "cuda" and torch.is_grad_enabled():
-        raise ConfigError("flex attention has no CPU backward", where="draft.attention_backend",
-                          fix="use attention_backend: sdpa (or auto) on CPU")
-    return backend
-
-
-class _ChunkedTargetCE(torch.autograd.Function):
-    """Per row: CE of ``hidden @ weight.T`` (fp32 log-softmax over the full vocab) against
-    ``labels``, and the argmax; ``[chunk, V]`` logits at a time, recomputed in backward (only
-    the per-row log-sum-exp is saved). No gradient to ``weight`` (the frozen target head)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk):
-        n = hidden.shape[0]
-        ce = hidden.new_empty(n, dtype=torch.float32)
-        lse = hidden.new_empty(n, dtype=torch.float32)
-        pred = labels.new_empty(n)
-        for s in range(0, n, chunk):
-            logits = (hidden[s : s + chunk].to(weight.dtype) @ weight.T).float()
-            lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
-            ce[s : s + chunk] = lse[s : s + chunk] - logits.gather(1, labels[s : s + chunk, None])[:, 0]
-            pred[s : s + chunk] = logits.argmax(dim=-1)
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk = chunk
-        ctx.mark_non_differentiable(pred)
-        return ce, pred
-
-    @staticmethod
-    def backward(ctx, grad_ce, _grad_pred):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        grad = torch.empty_like(hidden)
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            e = s + ctx.chunk
-            probs = torch.exp((hidden[s:e].to(weight.dtype) @ weight.T).float() - lse[s:e, None])
-            probs[torch.arange(probs.shape[0], device=probs.device), labels[s:e]] -= 1.0
-            probs *= grad_ce[s:e, None]
-            grad[s:e] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
-        return grad, None, None, None
-
-
-def target_cross_entropy(hidden, lm_head_weight, labels, chunk_rows: int = 2048):
-    """``(ce [n] fp32, argmax [n])`` of the target head on ``hidden [n,H]``, chunked (see above)."""
-    return _ChunkedTargetCE.apply(hidden, lm_head_weight.detach(), labels, chunk_rows)
-
-
-def _check_args(draft, block_size, num_anchors, loss_decay_gamma):
-    if block_size != draft.block_size:
-        raise ConfigError(
-            f"the objective's block size {block_size} differs from the draft config's {draft.block_size}",
-            where="draft.dflash.block_size", fix="train with the block size written in the draft config",
-        )
-    if not isinstance(num_anchors, int) or isinstance(num_anchors, bool) or num_anchors < 1:
-        raise ConfigError(f"num_anchors {num_anchors!r}", where="draft.dflash.num_anchors",
-                          fix="set draft.dflash.num_anchors to an integer >= 1 (512 is standard)")
-    if loss_decay_gamma is not None and not (isinstance(loss_decay_gamma, (int, float)) and loss_decay_gamma > 0):
-        raise ConfigError(f"loss_decay_gamma {loss_decay_gamma!r}", where="draft.dflash.loss_decay_gamma",
-                          fix="set draft.dflash.loss_decay_gamma > 0 (7 for B=16, 4 for B=8), or null for no decay")
-
-
-def _check_batch(batch, draft, embed_weight, lm_head_weight):
-    missing = [f for f in REQUIRED_FIELDS if _field(batch, f) is None]
-    if missing:
-        raise ModelError(f"captured batch lacks {missing}", where="captured batch",
-                         fix="capture all of " + ", ".join(REQUIRED_FIELDS))
-    shape = tuple(_field(batch, "input_ids").shape)
-    for name in ("attention_mask", "loss_mask", "position_ids", "seq_ids"):
-        value = _field(batch, name)
-        if value is not None and tuple(value.shape) != shape:
-            raise ModelError(f"{name} shape {tuple(value.shape)} != input_ids {shape}", where=f"captured batch: {name}")
-    if tuple(_field(batch, "aux_hidden").shape[:2]) != shape:
-        raise ModelError(f"aux_hidden shape {tuple(_field(batch, 'aux_hidden').shape)} does not start with {shape}",
-                         where="captured batch: aux_hidden")
-    hidden, vocab = draft.config.hidden_size, draft.config.vocab_size
-    for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
-        if tuple(w.shape) != (vocab, hidden):
-            raise ModelError(f"{name} shape {tuple(w.shape)} != (vocab {vocab}, hidden {hidden})", where=name,
-                             fix="pass the frozen target embedding / LM head (the embedding when tied)")
+def attend_blocks(blocks: DFlashBlocks, aux: torch.Tensor, draft, backend: str):
+    """``(blocks, aux, attend)``: the draft's attention over ``blocks`` under :func:`visible`, dense
+    masks through sdpa or block masks through flex (which pads blocks and context to its tiles)."""
+    if resolve_block_backend(backend, aux.device) == "sdpa":
+        return blocks, aux, dense_attend(dense_masks(blocks, draft.layer_types, draft.sliding_window))
+    blocks, aux = pad_for_flex(blocks, aux, draft.mask_token_id)
+    windows = {lt: _window(lt, draft.sliding_window) for lt in set(draft.layer_types)}
+    return blocks, aux, flex_attend(blocks, visible, windows)
 
 
 def dflash_loss(
@@ -398,6 +205,7 @@ def dflash_loss(
     generator: torch.Generator | None,
     backend: str = "auto",
     ce_chunk_rows: int = 2048,
+    selector_loss_alpha: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, sums)`` of one micro-batch (module docstring): ``loss`` = Σ w·CE, the numerator
     (fp32 scalar with grad; divide the gradients by the global Σ w, ``sums["weight_sum"]``
@@ -407,32 +215,37 @@ def dflash_loss(
     gradient reaches them). ``generator`` draws the anchors (``anchor_generator``; None: the
     global CPU RNG). The draft is used only through its forward (FSDP2-safe); every rank runs
     that forward even when its batch has no anchor (one padding block), so collectives match.
-    Raises ConfigError for invalid objective settings and ModelError for a malformed batch.
+    A DFlash2 draft adds ``selector_loss_alpha`` times its selector's numerator and sums
+    (``dflash2.selector_objective``). Raises ConfigError for invalid objective settings and
+    ModelError for a malformed batch.
     """
-    _check_args(draft, block_size, num_anchors, loss_decay_gamma)
-    _check_batch(batch, draft, embed_weight, lm_head_weight)
+    check_settings(draft, block_size, num_anchors, loss_decay_gamma)
+    check_batch(batch, draft, embed_weight, lm_head_weight)
     blocks = build_blocks(batch, block_size=block_size, num_anchors=num_anchors,
                           mask_token_id=draft.mask_token_id, generator=generator)
-    ids, aux = _field(batch, "input_ids"), _field(batch, "aux_hidden")
-    backend = resolve_backend(backend, ids.device)
-    if backend == "sdpa":
-        attend = dense_attend(dense_masks(blocks, draft.layer_types, draft.sliding_window))
-    else:
-        blocks, aux = pad_for_flex(blocks, aux, draft.mask_token_id)
-        attend = flex_attend(blocks, draft.layer_types, draft.sliding_window)
+    ids, aux = field(batch, "input_ids"), field(batch, "aux_hidden")
+    blocks, aux, attend = attend_blocks(blocks, aux, draft, backend)
     b, nb, size = blocks.tokens.shape
     embeds = F.embedding(blocks.tokens.flatten(1), embed_weight.detach())
-    hidden = draft(embeds, blocks.positions, attend, target_hidden=aux, context_positions=blocks.ctx_pos)
+    rows = torch.nonzero(blocks.valid.flatten()).flatten()
+    query = dflash2.selector_query(draft, blocks, rows, lm_head_weight)
+    hidden = draft(embeds, blocks.positions, attend, target_hidden=aux, context_positions=blocks.ctx_pos,
+                   **({} if query is None else {"selector_query": query}))
+    if query is not None:
+        hidden, selected = hidden
     k = torch.arange(size, device=ids.device)
     decay = torch.ones(size, device=ids.device, dtype=torch.float64)
     if loss_decay_gamma is not None:
         decay = torch.exp(-(k - 1).clamp(min=0).double() / loss_decay_gamma)
     weight64 = blocks.valid.double() * decay
     weight = weight64.float()
-    rows = torch.nonzero(blocks.valid.flatten()).flatten()
     ce, pred = target_cross_entropy(hidden.flatten(0, 1)[rows], lm_head_weight, blocks.labels.flatten()[rows],
                                     ce_chunk_rows)
     loss = (ce * weight.flatten()[rows]).sum()
+    if query is not None:
+        extra, selector_sums = dflash2.selector_objective(selected, weight.flatten()[rows], blocks, rows,
+                                                          selector_loss_alpha)
+        loss = loss + extra
     with torch.no_grad():
         hit = torch.zeros(b * nb * size, dtype=torch.bool, device=ids.device)
         hit[rows] = pred == blocks.labels.flatten()[rows]
@@ -447,6 +260,8 @@ def dflash_loss(
             "ce_sum": ce_grid[..., 1:].sum((0, 1)),
             "accept_reach": torch.cat([blocks.keep.sum().view(1), reach]),
         }
+        if query is not None:
+            sums.update(selector_sums)
     return loss, {key: value.double() for key, value in sums.items()}
 
 
@@ -473,4 +288,4 @@ def summarize_dflash_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
         out[f"accept_rate_{i}"] = ratio(reach[i + 1], reach[i])
     out["simulated_accept_length"] = ratio(reach.sum(), reach[0])
     out["blocks"] = float(reach[0])
-    return out
+    return out | dflash2.summarize_selector_metrics(sums)

@@ -22,7 +22,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from specforge_core.drafts.dflash.draft_config import dflash_config_from_dict, dflash_config_to_dict, target_layer_ids_of
+from specforge_core.drafts.dflash.draft_config import (
+    dflash2_of,
+    dflash_config_from_dict,
+    dflash_config_to_dict,
+    target_layer_ids_of,
+)
+from specforge_core.drafts.dflash import dflash2
 from specforge_core.drafts.dflash.model import DFlashDraftModel
 from specforge_core.errors import CheckpointError, ModelError
 from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_directory
@@ -59,6 +65,16 @@ def serving_keys(config) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         })
+    extra = dflash2_of(config)
+    if extra is not None:
+        taps, groups, rank = extra["conv_kernel_size"], h // extra["conv_group_size"], extra["selector_rank"]
+        for i in range(config.num_hidden_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                keys[f"layers.{i}.{conv}.base_kernel"] = (2, taps, h)
+                keys[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * taps * groups, h)
+        keys.update({"candidate_selector.predecessor_codebook": (config.vocab_size, rank),
+                     "candidate_selector.successor_codebook": (config.vocab_size, rank),
+                     "candidate_selector.hidden_projection.weight": (rank, h)})
     return keys
 
 
@@ -170,7 +186,7 @@ def warm_start_dflash(directory: str | Path, config=None, device: str | torch.de
             for name in _WARM_START_FIELDS
             if getattr(config, name, None) != getattr(model.config, name, None)
         ]
-        for name in ("target_layer_ids", "mask_token_id"):
+        for name in ("target_layer_ids", "mask_token_id", *dflash2.DEFAULTS):
             mine, theirs = config.dflash_config.get(name), model.config.dflash_config.get(name)
             if mine != theirs:
                 diffs.append(f"dflash_config.{name}: run {mine!r} vs {directory} {theirs!r}")

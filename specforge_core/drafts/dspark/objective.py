@@ -38,17 +38,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specforge_core.drafts.dflash.model import dense_attend
-from specforge_core.drafts.dflash.objective import (
-    DFlashBlocks,
-    _check_batch,
-    _field,
-    build_blocks,
-    dense_masks,
-    flex_attend,
-    pad_for_flex,
-    resolve_backend,
-)
+from specforge_core.drafts.dflash.inputs import check_batch
+from specforge_core.drafts.dflash.inputs import field as batch_field
+from specforge_core.drafts.dflash.objective import DFlashBlocks, attend_blocks, build_blocks
 from specforge_core.errors import ConfigError, ModelError
 
 LOSS_TERMS = ("kl_div", "tv", "ce")
@@ -121,27 +113,22 @@ class Slots:
 def draft_slots(draft, batch, *, embed_weight, lm_head_weight, num_anchors: int,
                 generator: torch.Generator | None, backend: str = "auto") -> Slots:
     """Anchor blocks, one draft forward and the teacher of every slot (module docstring)."""
-    _check_batch(batch, draft, embed_weight, lm_head_weight)
-    last = _field(batch, "last_hidden")
+    check_batch(batch, draft, embed_weight, lm_head_weight)
+    last = batch_field(batch, "last_hidden")
     if last is None:
         raise ModelError("captured batch lacks last_hidden (the teacher)", where="captured batch",
                          fix="capture with last_hidden (the DSpark family asks for it)")
     size, s = draft.block_size, 0 if draft.sample_from_anchor else 1
     blocks = build_blocks(batch, block_size=size, num_anchors=num_anchors, mask_token_id=draft.mask_token_id,
                           generator=generator)
-    ids, aux = _field(batch, "input_ids"), _field(batch, "aux_hidden")
+    ids, aux = batch_field(batch, "input_ids"), batch_field(batch, "aux_hidden")
     b, nb, _ = blocks.tokens.shape
     k = torch.arange(size, device=ids.device)
     # blocks.valid is keep · in-sample · lm[a+k] · (k > 0); an anchor is kept only where lm[a]
     mask = (blocks.valid | ((k == 0) & blocks.keep[..., None])) & (k >= s)
     prev = blocks.labels if s == 0 else torch.cat([blocks.labels[..., :1], blocks.labels[..., :-1]], dim=-1)
     teacher_col = (blocks.anchor_col[..., None] + k - s).clamp(0, ids.shape[1] - 1)
-    layout = blocks
-    if resolve_backend(backend, ids.device) == "sdpa":
-        attend = dense_attend(dense_masks(blocks, draft.layer_types, draft.sliding_window))
-    else:
-        layout, aux = pad_for_flex(blocks, aux, draft.mask_token_id)
-        attend = flex_attend(layout, draft.layer_types, draft.sliding_window)
+    layout, aux, attend = attend_blocks(blocks, aux, draft, backend)
     grown = layout.tokens.shape[1] - nb  # flex's padding blocks
     prev_ids = F.pad(prev, (0, 0, 0, grown), value=draft.mask_token_id).flatten(1)
     embeds = F.embedding(layout.tokens.flatten(1), embed_weight.detach())

@@ -265,53 +265,39 @@ class Eagle3DraftModel(nn.Module):
     def project_tokens(self, token_ids: torch.Tensor) -> "ProjectedTokens":
         """Embed ``token_ids [N]`` and project their embedding half of q/k/v once
         (:class:`ProjectedTokens`): what a training step's unrolled steps read their rows from
-        (``next_hidden(..., tokens=, token_rows=)``)."""
+        (``ProjectedTokens.for_steps``, then :meth:`next_hidden`)."""
         weights = self.midlayer.qkv_weights()
         embeds = self.embed_tokens(token_ids).to(weights.hidden.dtype)
         return ProjectedTokens(self.midlayer.project_embeddings(embeds, weights), weights)
 
-    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor, attend: Callable,
-                **step) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: "torch.Tensor | ProjectedTokens", hidden: torch.Tensor, position_ids: torch.Tensor,
+                attend: Callable, queries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for every row: ``(new pre-norm hidden [B,T,H], logits [B,T,Vd])``;
         the arguments are :meth:`next_hidden`'s."""
-        hidden = self.next_hidden(input_ids, position_ids, attend, **step)
+        hidden = self.next_hidden(tokens, hidden, position_ids, attend, queries)
         with record_function("eagle3.lm_head"):
             return hidden, self.compute_logits(hidden)
 
-    def next_hidden(
-        self,
-        input_ids: torch.Tensor | None,
-        position_ids: torch.Tensor,
-        attend: Callable,
-        hidden: torch.Tensor | None = None,
-        aux_hidden: torch.Tensor | None = None,
-        queries: torch.Tensor | None = None,
-        tokens: "ProjectedTokens | None" = None,
-        token_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def next_hidden(self, tokens: "torch.Tensor | ProjectedTokens", hidden: torch.Tensor, position_ids: torch.Tensor,
+                    attend: Callable, queries: torch.Tensor | None = None) -> torch.Tensor:
         """One draft step for every row without its logits: the new pre-norm hidden ``[B,T,H]``
         (the training unroll scores the rows of all its steps in one :meth:`compute_logits`).
 
-        ``input_ids [B,T]`` are the tokens following each row's hidden state, or with ``tokens``
-        (:meth:`project_tokens`, B = 1) None and ``token_rows [T]`` the index of each row's token
-        among them (without repeats: ``rows.take_rows``), or None where ``tokens`` holds exactly
-        the rows' own, in order (``ProjectedTokens.for_steps``). ``position_ids [B,T]`` are their RoPE
-        positions, ``attend(q, k, v)`` the attention over this step's q/k/v (``q [B,T,nh,hd]``,
-        ``k, v [B,T,nkv,hd]``, rotated) and whatever keys it keeps. Give ``aux_hidden`` (first
-        step: ``project_hidden`` is applied) or the carried ``hidden``. ``queries`` (a long index
-        along T, without repeats) restricts the outputs to those rows: keys and values are still
-        made for every row, ``q`` and the result have ``Tq = len(queries)`` rows.
+        ``tokens``: the token following each row's hidden state, as ids ``[B,T]`` (embedded here,
+        q/k/v made from the concatenated input in the serving order), or as
+        :class:`ProjectedTokens` holding exactly the rows' own, in order (B = 1:
+        ``ProjectedTokens.for_steps``). ``hidden [B,T,H]``: each row's hidden state,
+        ``project_hidden(aux_hidden)`` at the first step, else the carried one. ``position_ids
+        [B,T]``: the rows' RoPE positions; ``attend(q, k, v)``: the attention over this step's
+        q/k/v (``q [B,T,nh,hd]``, ``k, v [B,T,nkv,hd]``, rotated) and whatever keys it keeps.
+        ``queries`` (a long index along T, without repeats) restricts the outputs to those rows:
+        keys and values are still made for every row, ``q`` and the result have
+        ``Tq = len(queries)`` rows.
         """
-        if aux_hidden is not None:
-            with record_function("eagle3.fc"):
-                hidden = self.project_hidden(aux_hidden)
-        if tokens is None:
-            weights, x = None, self.embed_tokens(input_ids).to(hidden.dtype)
+        if isinstance(tokens, ProjectedTokens):
+            weights, x = tokens.weights, tokens.rows[None]
         else:
-            if input_ids is not None:
-                raise ValueError("give input_ids or tokens=, not both")
-            rows = tokens.rows if token_rows is None else take_rows(tokens.rows, 0, token_rows)
-            weights, x = tokens.weights, rows[None]
+            weights, x = None, self.embed_tokens(tokens).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
         with record_function("eagle3.layer"):
             return self.midlayer(x, hidden, cos, sin, attend, queries, weights)

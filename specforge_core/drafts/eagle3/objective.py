@@ -19,23 +19,25 @@
   against the renormalised draft-vocab target counts where ``pm``.
 - ``L_k = Σ_{b,t} pm·CE / (B·T)`` (masked positions count in the denominator);
   ``loss = Σ_k decay^k L_k``. Gradients flow through the carried hidden across all steps.
+
+The speed machinery lives beside this module, each piece tested equal to the plain torch it
+replaces: ``fast/unroll_plan.py`` (which rows each step computes), ``fast/soft_target_ce.py``
+(the soft CE, overlap and argmax; Triton kernels in ``vocab_kernels.py``), ``rows.py`` (row
+subsets with gathered gradients), ``attention.py`` and ``flash.py`` (the TTT attention).
 """
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
 from specforge_core.drafts.eagle3.attention import TTTAttention
-from specforge_core.drafts.eagle3.flash import SampleSpans
+from specforge_core.drafts.eagle3.fast.soft_target_ce import soft_target_terms
+from specforge_core.drafts.eagle3.fast.unroll_plan import UnrollPlan
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
-from specforge_core.drafts.eagle3 import vocab_kernels
-from specforge_core.drafts.eagle3.rows import take_parts, take_rows
-from specforge_core.drafts.eagle3.teacher import compute_teacher, softmax_from_lse
+from specforge_core.drafts.eagle3.teacher import compute_teacher
 from specforge_core.errors import ModelError
-from specforge_core.system.compile import fused
 
 REQUIRED_FIELDS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "last_hidden")
 
@@ -53,121 +55,6 @@ class StepTerms:
     valid: torch.Tensor
     accept: torch.Tensor
     in_draft: torch.Tensor
-
-
-def _soft_ce_and_overlap(logits, teacher_logits, teacher_lse, label, weight, log_mass):
-    """Per row: ``weight``·soft CE against the teacher's softmax on row ``label``
-    (``exp(teacher_logits[label] - teacher_lse[label])``), ``Σ_v min(q_draft, p_target)`` with
-    ``p_target`` that softmax times ``exp(log_mass)`` (fp32 from the logits' own dtype), the
-    draft's argmax, and what the backward needs besides the logits: their logsumexp and the
-    target's sum (compiled, one pass over the logits serves all of them)."""
-    target = _target(teacher_logits, teacher_lse, label)
-    lse = torch.logsumexp(logits.float(), dim=-1)
-    log_q = logits.float() - lse[..., None]
-    loss = -(target * log_q).sum(dim=-1)
-    loss = torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
-    overlap = torch.minimum(log_q.exp(), target * log_mass.exp()[..., None]).sum(dim=-1)
-    return loss, overlap, logits.argmax(dim=-1), lse, target.sum(dim=-1)
-
-
-def _target(teacher_logits, teacher_lse, label):
-    """The teacher's softmax on the rows ``label``."""
-    return softmax_from_lse(teacher_logits[label], teacher_lse[label])
-
-
-def _ce_grad_from_probs(q, target, target_sum, weight, grad, dtype):
-    """d(weight·CE)/d(logits) given the draft's fp32 softmax ``q`` and ``target``'s row sums."""
-    coef = torch.where(weight > 0, grad * weight, torch.zeros_like(grad))[..., None]
-    return (coef * (q * target_sum[..., None] - target)).to(dtype)
-
-
-def _ce_grad(logits, lse, teacher_logits, teacher_lse, label, target_sum, weight, grad):
-    """The same from the logits and the logsumexp the forward saved: one element-wise pass that
-    reads the logits and the teacher's rows once each (no reduction to redo)."""
-    target = _target(teacher_logits, teacher_lse, label)
-    q = (logits.float() - lse[..., None]).exp()
-    return _ce_grad_from_probs(q, target, target_sum, weight, grad, logits.dtype)
-
-
-class _SoftTargetTerms(torch.autograd.Function):
-    """Per row, in fp32: the soft CE ``-Σ_v target·log_softmax(logits)`` times ``weight`` (with a
-    gradient to ``logits``), the overlap ``Σ_v min(q_draft, p_target)`` (none) and the draft's
-    argmax (none), where ``target`` is the teacher's softmax on rows ``label`` (the teacher rows of
-    the scored positions), made from its draft-vocab logits and their logsumexp as it is read.
-
-    ``recompute`` (the default on CUDA): kernels that gather the teacher rows as they read them
-    (``vocab_kernels``'s on CUDA with Triton, else :func:`_soft_ce_and_overlap` and
-    :func:`_ce_grad`, compiled with ``training.compile``); saves the logits in their own dtype with their logsumexp and the target's row
-    sums, and the backward is one element-wise pass (half the activation memory in bf16 of a
-    saved fp32 softmax, and no copy of the teacher's rows). Otherwise (eager, memory
-    bound): one log-softmax serves the loss, the overlap and the backward, which gets the fp32
-    softmax saved; rows go in blocks of about ``EAGER_BLOCK`` values, so each temporary stays
-    small (on 2 CPU cores, 5,040 rows of 8,192 in one pass took 0.5-1.8 s, in 720-row pieces
-    0.3-0.4 s).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, teacher_logits, teacher_lse, label, weight, log_mass, recompute, compile):
-        ctx.logits_dtype = logits.dtype
-        ctx.recompute, ctx.compile = recompute, compile
-        if recompute:
-            soft_ce = vocab_kernels.soft_ce_forward if vocab_kernels.usable(logits, teacher_logits) \
-                else fused(_soft_ce_and_overlap, logits.device, compile)
-            loss, overlap, argmax, lse, target_sum = soft_ce(logits, teacher_logits, teacher_lse, label, weight, log_mass)
-            ctx.save_for_backward(logits, lse, teacher_logits, teacher_lse, label, target_sum, weight)
-        else:
-            q = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-            target, loss, overlap = torch.empty_like(q), q.new_empty(q.shape[:-1]), q.new_empty(q.shape[:-1])
-            for rows in _row_blocks(logits):
-                target[rows] = _target(teacher_logits, teacher_lse, label[rows])
-                log_q = torch.log_softmax(logits[rows].float(), dim=-1)
-                terms = -(target[rows] * log_q).sum(dim=-1)
-                loss[rows] = torch.where(weight[rows] > 0, terms * weight[rows], torch.zeros_like(terms))
-                q[rows] = log_q.exp_()
-                overlap[rows] = torch.minimum(q[rows], target[rows] * log_mass[rows].exp()[..., None]).sum(dim=-1)
-            argmax = logits.argmax(dim=-1)
-            ctx.save_for_backward(q, target, target.sum(dim=-1), weight)
-        ctx.mark_non_differentiable(overlap, argmax)
-        return loss, overlap, argmax
-
-    @staticmethod
-    def backward(ctx, grad, _overlap, _argmax):
-        if ctx.recompute:
-            logits, *saved = ctx.saved_tensors
-            ce_grad = vocab_kernels.soft_ce_backward if vocab_kernels.usable(logits, saved[1]) \
-                else fused(_ce_grad, logits.device, ctx.compile)
-            dlogits = ce_grad(logits, *saved, grad)
-        else:
-            q, target, target_sum, weight = ctx.saved_tensors
-            dlogits = torch.empty(q.shape, dtype=ctx.logits_dtype, device=q.device)
-            for rows in _row_blocks(q):
-                dlogits[rows] = _ce_grad_from_probs(q[rows], target[rows], target_sum[rows], weight[rows], grad[rows],
-                                                    ctx.logits_dtype)
-        return dlogits, None, None, None, None, None, None, None
-
-
-EAGER_BLOCK = 1 << 22  # values per block of rows in the eager soft CE: 16 MB per fp32 temporary
-
-
-def _row_blocks(x: torch.Tensor) -> list[slice]:
-    """Slices of the rows of ``x [N, Vd]`` of about ``EAGER_BLOCK`` values each."""
-    rows = max(1, EAGER_BLOCK // x.shape[-1])
-    return [slice(r, r + rows) for r in range(0, x.shape[0], rows)]
-
-
-def soft_target_terms(
-    logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_lse: torch.Tensor, label: torch.Tensor,
-    weight: torch.Tensor, log_mass: torch.Tensor, *, recompute: bool | None = None, compile: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row-wise weighted soft cross-entropy against ``p = softmax(teacher_logits)[label]`` (given as
-    the teacher's draft-vocab logits, in the head's dtype, and their fp32 logsumexp
-    ``teacher_lse``; computed in fp32, gradient to ``logits`` only), the overlap
-    ``Σ_v min(softmax(logits), p·exp(log_mass))`` (defined where ``weight > 0``: the Triton path
-    leaves zeros elsewhere) and ``logits.argmax(-1)`` (no gradients). ``recompute`` (default: on CUDA) picks how the backward
-    gets the softmax (:class:`_SoftTargetTerms`); both give the same gradient. ``compile``
-    (``training.compile``): its passes compiled on CUDA, forward and backward."""
-    recompute = logits.is_cuda if recompute is None else recompute
-    return _SoftTargetTerms.apply(logits, teacher_logits, teacher_lse, label, weight, log_mass, recompute, compile)
 
 
 def noisy_features(aux: torch.Tensor, layers: int, scale: float) -> torch.Tensor:
@@ -219,14 +106,12 @@ def ttt_unroll(
     # step k's token at position t is ids[t+1+k] (0 past the row's end, one pad per row): each is
     # embedded and projected once for all steps (model.Eagle3DecoderLayer's doc)
     with record_function("eagle3.tokens"):
-        tokens = draft.project_tokens(F.pad(ids.flatten(), (0, b))[plan.token_index])
-        runs = [k for k in range(ttt_length) if plan.rows[k] is not None]
-        step_tokens = dict(zip(runs, tokens.for_steps([plan.token_rows[k] for k in runs],
-                                                      [plan.token_slot[k] for k in runs], compile=compile)))
+        step_tokens = plan.tokens_by_step(draft.project_tokens(F.pad(ids.flatten(), (0, b))[plan.token_index]),
+                                          compile=compile)
     attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans, compile=compile)
     keys, values, key_rows, scored = [], [], [], []
 
-    hidden = carried = None
+    carried = None
     for k in range(ttt_length):
         idx = plan.rows[k]
         if idx is None:  # no target at this step or later
@@ -242,19 +127,13 @@ def ttt_unroll(
                 return attention(q, idx, keys, values, key_rows, same_at=plan.same[k])
 
         step_pos = (pos + k).flatten()[inputs][None]
-        reads = dict(tokens=step_tokens[k])
         if k == 0:
-            hidden = draft.next_hidden(None, step_pos, attend, aux_hidden=aux.flatten(0, 1)[plan.real][None],
-                                       queries=plan.queries0, **reads)
+            with record_function("eagle3.fc"):
+                start = draft.project_hidden(aux.flatten(0, 1)[plan.real][None])
+            hidden = draft.next_hidden(step_tokens[0], start, step_pos, attend, queries=plan.queries0)
         else:
-            hidden = draft.next_hidden(None, step_pos, attend, hidden=carried, **reads)
-        if k + 1 < ttt_length and plan.rows[k + 1] is not None:  # the rows step k+1 carries on, and the scored ones
-            carried, here = take_parts(hidden, 1, [plan.carry[k + 1], plan.here[k]],
-                                       [plan.carry_slot[k + 1], plan.here_slot[k]], compile=compile)
-        elif plan.here[k].numel() == hidden.shape[1]:  # every row has a step-k target (the last step's)
-            here = hidden
-        else:
-            here = take_rows(hidden, 1, plan.here[k])  # the rows with a step-k target
+            hidden = draft.next_hidden(step_tokens[k], carried, step_pos, attend)
+        carried, here = plan.carried_and_scored(hidden, k, compile=compile)  # the rows step k+1 carries on; those with a step-k target
         scored.append(here)
 
     # Every step's scored rows through the head and the loss at once: the logits feed nothing but
@@ -271,185 +150,10 @@ def ttt_unroll(
             correct = target_ids[argmax] == teacher.argmax[label]
             accept = torch.where(pm, overlap, torch.zeros_like(overlap))
         # each term at its step's [B, T] position, all steps in one [K, B, T] tensor
-        placed = [_place(x, plan.placed, ttt_length, b, t) for x in (loss, correct.float(), accept, pm.float())]
+        placed = [plan.place(x, b, t) for x in (loss, correct.float(), accept, pm.float())]
     valid = plan.valid.float()
     return [StepTerms(loss=placed[0][k], correct=placed[1][k], valid=valid[k], accept=placed[2][k],
                       in_draft=placed[3][k]) for k in range(ttt_length)]
-
-
-@dataclass
-class UnrollPlan:
-    """Which rows each unrolled step computes and where its terms go, for one batch (all index
-    tensors on the batch's device, long, ascending where they are rows):
-
-    - ``valid`` ``[K, B, T]`` bool: position t has a step-k target (:func:`_valid_masks`);
-    - ``real``: the flattened real tokens (step 0's inputs: every one is a key);
-    - ``rows[k]``: the positions whose step-k output is computed (:func:`_unroll_rows`), or None;
-    - ``queries0``: ``rows[0]``'s indices among ``real``; ``carry[k]`` (k ≥ 1): ``rows[k]``'s
-      indices among ``rows[k-1]`` (where the carried hidden comes from);
-    - ``here[k]``: the indices among ``rows[k]`` with a step-k target (the scored rows);
-    - ``carry_slot[k]`` (k ≥ 1) and ``here_slot[k]``: per row of ``rows[k-1]`` its index in
-      ``carry[k]``, per row of ``rows[k]`` its index in ``here[k]``, or -1 (the slot maps of
-      ``rows.take_parts``: each of step k's rows is carried to step k+1, scored at step k, or both);
-    - ``label``: the teacher row of every scored row, step after step (index t+k: the
-      distribution at t+k+1), and ``placed`` its position in ``[K, B, T]`` flattened (k·B·T plus
-      the row's flattened position): the terms of all steps are computed at once on these rows;
-    - ``teacher_index``: the flattened indices i some step reads (the teacher at position i+1);
-    - ``same[k]`` (k ≥ 1): for each step j = 1..k, ``rows[k]``'s indices among ``rows[j]`` (where
-      the keys step j made at the queries' own positions are; ``[]`` at step 0);
-    - ``spans`` (host ints): each sample's first index among ``real`` (a sample is a run of real
-      tokens of one row and seq id), then ``real``'s size: the attention's variable-length layout;
-    - ``token_index``: the tokens some step embeds, as indices into the flattened ids followed by
-      one 0 per row (step k's inputs at position t embed ``ids[t+1+k]``, or their row's 0 past
-      its end); ``token_rows[k]``: each of step k's inputs' index among them, without repeats
-      (only step 0 reads past a row's end, at its last position), and ``token_slot[k]`` its slot
-      map (per token, its index in ``token_rows[k]`` or -1: ``rows.take_parts`` of all steps).
-
-    Built on the host and sent to the device in one copy: the sizes are data-dependent, and
-    working them out on the device would make the host wait for it at every step. Its input is
-    the batch's host masks where the capture kept them (``host``: CPU ``attention_mask``,
-    ``loss_mask`` and ``seq_ids``, as ``capture.base.HostMasks`` holds them), so the host need not
-    wait at all and can build the plan while the device still runs the previous step; otherwise
-    one device-to-host copy of the three masks (which waits for the device).
-    """
-
-    valid: torch.Tensor
-    real: torch.Tensor
-    rows: list
-    queries0: torch.Tensor
-    carry: list
-    here: list
-    carry_slot: list
-    here_slot: list
-    label: torch.Tensor
-    placed: torch.Tensor
-    teacher_index: torch.Tensor
-    same: list
-    spans: list
-    token_index: torch.Tensor
-    token_rows: list
-    token_slot: list
-
-    @classmethod
-    def build(cls, attn, lm, seq, ttt_length: int, *, device, host=None) -> "UnrollPlan":
-        b, t = attn.shape
-        if host is None:
-            host = torch.stack([attn.long(), lm.long(), seq.long()]).cpu().numpy()
-        else:
-            seq_h = torch.zeros(b, t, dtype=torch.long) if host.seq_ids is None else host.seq_ids.long()
-            host = torch.stack([host.attention_mask.long(), host.loss_mask.long(), seq_h]).numpy()
-        # numpy: a few hundred index operations on arrays of B·T elements; as torch CPU ops their
-        # dispatch alone cost 12-70 ms of host time per step, all of it with the device idle
-        valid = _valid_masks(host[0] != 0, host[1] != 0, host[2], ttt_length)
-        rows = _unroll_rows(valid)
-        flat_valid = [v.reshape(-1) for v in valid]
-        read = np.zeros(b * t, dtype=bool)
-        for k, v in enumerate(flat_valid):
-            read[np.flatnonzero(v) + k] = True
-        teacher_index = np.flatnonzero(read)
-        teacher_slot = _host_slots(teacher_index, b * t)
-        real = np.flatnonzero(host[0])
-        queries0 = np.searchsorted(real, rows[0])
-        spans = SampleSpans.of_rows(real, host[2].reshape(-1)[real], t).bounds
-        carry, here, label, placed = [None] * ttt_length, [None] * ttt_length, [], []
-        carry_slot, here_slot = [None] * ttt_length, [None] * ttt_length
-        slots = [None if r is None else _host_slots(r, b * t) for r in rows]
-        token_index, token_rows = _token_rows([real if k == 0 else r for k, r in enumerate(rows)], t, b * t)
-        token_slot = [None if r is None else _host_slots(r, token_index.size) for r in token_rows]
-        same = [[] for _ in range(ttt_length)]
-        for k in range(ttt_length):
-            if rows[k] is None:
-                continue
-            if k:
-                carry[k] = slots[k - 1][rows[k]]
-                carry_slot[k] = _host_slots(carry[k], rows[k - 1].size)
-                same[k] = [slots[j][rows[k]] for j in range(1, k + 1)]
-            here[k] = np.flatnonzero(flat_valid[k][rows[k]])
-            here_slot[k] = _host_slots(here[k], rows[k].size)
-            scored = rows[k][here[k]]
-            placed.append(scored + k * b * t)
-            label.append(teacher_slot[scored + k])
-        # one host-to-device copy of every index, then views of it
-        parts = [real, queries0, teacher_index, token_index, np.concatenate(label), np.concatenate(placed),
-                 *(x for group in (rows, carry, here, token_rows, carry_slot, here_slot, token_slot)
-                   for x in group if x is not None),
-                 *(x for at in same for x in at)]
-        sizes = [p.size for p in parts]
-        packed = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
-        valid_h = torch.from_numpy(np.stack(valid))
-        if torch.device(device).type == "cuda":
-            packed = packed.pin_memory().to(device, non_blocking=True)
-            valid_d = valid_h.pin_memory().to(device, non_blocking=True)
-        else:
-            valid_d = valid_h.to(device)
-        views = iter(packed.split(sizes))
-        real_d, queries0_d, teacher_index_d, token_index_d, label_d, placed_d = (next(views) for _ in range(6))
-        groups = [[None if x is None else next(views) for x in group]
-                  for group in (rows, carry, here, token_rows, carry_slot, here_slot, token_slot)]
-        same_d = [[next(views) for _ in at] for at in same]
-        return cls(valid_d, real_d, groups[0], queries0_d, groups[1], groups[2], groups[4], groups[5], label_d,
-                   placed_d, teacher_index_d, same_d, spans, token_index_d, groups[3], groups[6])
-
-
-def _token_rows(inputs: list, t: int, size: int) -> tuple[np.ndarray, list]:
-    """The tokens the steps embed (``UnrollPlan.token_index``) and each step's index among them
-    (``token_rows``; None where the step does not run), from each step's flattened input rows:
-    step k at position p embeds the id at p+1+k, or its row's pad at ``size + p // t`` past the
-    row's end (a pad per row keeps each step's indices distinct)."""
-    reads = [None if x is None else np.where(x % t + 1 + k < t, x + 1 + k, size + x // t)
-             for k, x in enumerate(inputs)]
-    read = np.zeros(size + size // t, dtype=bool)  # a mask, not np.unique: plan 2.5 -> 1.3 ms at 1x4096
-    for r in reads:
-        if r is not None:
-            read[r] = True
-    index = np.flatnonzero(read)
-    slot = _host_slots(index, read.size)
-    return index, [None if r is None else slot[r] for r in reads]
-
-
-def _host_slots(rows: np.ndarray, size: int) -> np.ndarray:
-    """``[size]``: the index of each flattened position among ``rows`` (-1 if absent)."""
-    slot = np.full(size, -1, dtype=np.int64)
-    slot[rows] = np.arange(rows.size)
-    return slot
-
-
-def _valid_masks(attn: np.ndarray, lm: np.ndarray, seq: np.ndarray, ttt_length: int) -> list[np.ndarray]:
-    """``valid[k] [B,T]`` (host, bool): position t has a step-k target (module doc): ``lm[t+k]``,
-    tokens t and t+k+1 real and in the same sample."""
-    b, t = attn.shape
-    out = []
-    for k in range(ttt_length):
-        n = max(t - 1 - k, 0)
-        v = np.zeros((b, t), dtype=bool)
-        v[:, :n] = lm[:, k : k + n] & attn[:, :n] & attn[:, k + 1 : k + 1 + n] & (seq[:, :n] == seq[:, k + 1 : k + 1 + n])
-        out.append(v)
-    return out
-
-
-def _unroll_rows(valid: list[np.ndarray]) -> list[np.ndarray | None]:
-    """Flattened positions whose step-k output is computed, ascending; None where nothing is left.
-
-    Step k needs position t iff some step j ≥ k has a target there (its hidden is carried along
-    the same position), so each step's rows are a subset of the previous step's. (Step 0 also
-    makes keys on every real token: they are the keys of their sample's later positions.)
-    """
-    needed = np.zeros_like(valid[0])
-    rows: list[np.ndarray | None] = [None] * len(valid)
-    for k in range(len(valid) - 1, -1, -1):
-        needed = needed | valid[k]
-        rows[k] = np.flatnonzero(needed)
-    # Trailing steps without targets are skipped; step 0 always runs (the loss keeps its graph).
-    for k in range(len(valid) - 1, 0, -1):
-        if rows[k].size:
-            break
-        rows[k] = None
-    return rows
-
-
-def _place(values: torch.Tensor, placed: torch.Tensor, k: int, b: int, t: int) -> torch.Tensor:
-    """``[K, B, T]`` zeros with ``values`` at the flattened positions ``placed``."""
-    return values.new_zeros(k * b * t).index_copy(0, placed, values).view(k, b, t)
 
 
 def eagle3_loss(

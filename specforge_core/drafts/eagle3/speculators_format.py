@@ -28,7 +28,6 @@ loader leaves a missing embedding uninitialised under transformers 5). docs/expo
 
 from pathlib import Path
 
-import torch
 from safetensors.torch import save
 
 from specforge_core.drafts.eagle3.draft_config import capture_layer_ids_of, serving_config_dict, vllm_layer_ids

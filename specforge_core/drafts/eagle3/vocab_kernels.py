@@ -7,17 +7,17 @@
     if vocab_kernels.usable(chunk):
         top, arg, lse, draft_lse = vocab_kernels.chunk_stats(chunk, cols, picked_out)
 
-They compute what the objective's and the teacher's torch functions compute (the compiled path
+They compute what the soft CE's and the teacher's torch functions compute (the compiled path
 where Triton is missing), one program per row, with a running max, its first index and a
 rescaled sum of exponentials, so a row's logsumexp and argmax come from one read of it:
 
-- :func:`soft_ce_forward` (``objective._soft_ce_and_overlap``): per row of the unroll's draft
+- :func:`soft_ce_forward` (``fast.soft_target_ce.soft_ce_rows``): per row of the unroll's draft
   logits and its teacher row gathered by ``label``, in the first pass the logsumexp, the argmax,
   ``Σ target·logit`` and ``Σ target`` (the soft CE is ``lse·Σ target − Σ target·logit``); in a
   second pass, only for rows with a weight (the others' loss and overlap are zeros, unread), the
   overlap ``Σ min(exp(logit − lse), target·mass)``, which needs the logsumexp first and re-reads
   the row while it is still in L2.
-- :func:`soft_ce_backward` (``objective._ce_grad``): ``coef·(exp(logit − lse)·Σ target − target)``
+- :func:`soft_ce_backward` (``fast.soft_target_ce.soft_ce_grad``): ``coef·(exp(logit − lse)·Σ target − target)``
   in the logits' dtype; zeros, without reading anything, for rows whose ``coef`` is zero.
 - :func:`chunk_stats` (``teacher._chunk_stats``): per row of one vocabulary chunk of the target
   head's logits, its max, first argmax and logsumexp, then its draft columns written straight
@@ -28,7 +28,8 @@ H200 (the soft CE forward 9.4 ms and the teacher's statistics 4.7 ms a loop step
 shape, docs/performance.md Round 16).
 
 Triton comes with torch's CUDA wheels; without it (a CPU-only install) :func:`usable` is false.
-``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (tests/drafts/eagle3/test_vocab_kernels.py).
+``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors
+(tests/drafts/eagle3/test_vocab_kernels.py, tests/drafts/eagle3/fast/test_soft_target_ce.py).
 """
 
 import torch
@@ -58,7 +59,7 @@ def _rows(n: int, device, dtype=torch.float32) -> torch.Tensor:
 
 def soft_ce_forward(logits, teacher_logits, teacher_lse, label, weight, log_mass):
     """Per row of ``logits [N, V]``: ``(loss, overlap, argmax, lse, target_sum)``, as
-    ``objective._soft_ce_and_overlap`` (fp32; argmax int64), with ``loss`` and ``overlap`` zero
+    ``fast.soft_target_ce.soft_ce_rows`` (fp32; argmax int64), with ``loss`` and ``overlap`` zero
     where ``weight`` is not positive."""
     n, vocab = logits.shape
     loss, overlap, lse, target_sum = (_rows(n, logits.device) for _ in range(4))
@@ -73,7 +74,7 @@ def soft_ce_forward(logits, teacher_logits, teacher_lse, label, weight, log_mass
 
 
 def soft_ce_backward(logits, lse, teacher_logits, teacher_lse, label, target_sum, weight, grad):
-    """``d(weight·CE)/d(logits)`` for the upstream ``grad [N]``, as ``objective._ce_grad`` (same
+    """``d(weight·CE)/d(logits)`` for the upstream ``grad [N]``, as ``fast.soft_target_ce.soft_ce_grad`` (same
     arguments), in the logits' dtype."""
     n, vocab = logits.shape
     dlogits = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)

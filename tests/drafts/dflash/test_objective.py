@@ -7,13 +7,13 @@ unpacked). Loss and gradients are compared as the weighted mean the trainer appl
 import pytest
 import torch
 
+from specforge_core.drafts.dflash.inputs import anchor_generator
 from specforge_core.drafts.dflash.objective import (
-    anchor_generator,
     build_blocks,
     dflash_loss,
     summarize_dflash_metrics,
-    target_cross_entropy,
 )
+from specforge_core.drafts.dflash.fast.chunked_ce import target_cross_entropy
 from specforge_core.errors import ConfigError, ModelError
 from tests.drafts.dflash.fixtures import (
     MASK,

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from tests.drafts.dflash.reference import reference_anchors, reference_dflash
+from tests.drafts.dflash.reference import reference_dflash
 
 
 def _markov_features(p, head_type, e, h, state):

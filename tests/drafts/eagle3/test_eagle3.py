@@ -11,6 +11,8 @@ from specforge_core.drafts.eagle3.serving import serving_keys
 from specforge_core.drafts.eagle3.draft_config import draft_config_from_target
 from specforge_core.drafts.eagle3.model import Eagle3DraftModel, read_target_embedding
 from specforge_core.drafts.eagle3.attention import step_zero_visibility
+from specforge_core.drafts.eagle3.model import ProjectedTokens
+from specforge_core.drafts.eagle3.rows import take_rows
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft, tiny_target_config
 from tests.drafts.eagle3.reference import reference_eagle3
 
@@ -125,8 +127,8 @@ def test_forward_with_queries_returns_those_rows_of_the_full_forward():
 
     rows = torch.tensor([1, 4, 5])
     with torch.no_grad():
-        full_h, full_z = draft(ids, pos, sdpa_attend(causal), aux_hidden=aux)
-        some_h, some_z = draft(ids, pos, sdpa_attend(causal[rows]), aux_hidden=aux, queries=rows)
+        full_h, full_z = draft(ids, draft.project_hidden(aux), pos, sdpa_attend(causal))
+        some_h, some_z = draft(ids, draft.project_hidden(aux), pos, sdpa_attend(causal[rows]), queries=rows)
     torch.testing.assert_close(some_h, full_h[:, rows])
     torch.testing.assert_close(some_z, full_z[:, rows])
 
@@ -160,29 +162,28 @@ def test_forward_on_projected_tokens_equals_the_forward_on_their_ids():
 
     attend = sdpa_attend(causal)
 
-    def run(**how):
+    def run(tokens):
         draft.zero_grad()
-        hidden, logits = draft(position_ids=pos, attend=attend, aux_hidden=aux, **how)
+        hidden, logits = draft(tokens, draft.project_hidden(aux), pos, attend)
         (hidden.sum() + logits.pow(2).sum()).backward()
         return hidden, logits, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
     vocab_ids = torch.tensor([5, 0, 17, 3, 9, 11, 2])  # tokens in some order; the rows pick them
     rows = torch.tensor([3, 6, 2, 0, 4, 1])
-    want = run(input_ids=vocab_ids[rows][None])
-    got = run(input_ids=None, tokens=draft.project_tokens(vocab_ids), token_rows=rows)
-    # the unroll's form: the steps' rows taken at once (ProjectedTokens.for_steps), no token_rows
+    want = run(vocab_ids[rows][None])
+    projected = draft.project_tokens(vocab_ids)
+    got = run(ProjectedTokens(take_rows(projected.rows, 0, rows), projected.weights))
+    # the unroll's form: the steps' rows taken at once (ProjectedTokens.for_steps)
     slot = torch.full((vocab_ids.numel(),), -1)
     slot[rows] = torch.arange(rows.numel())
     (taken,) = draft.project_tokens(vocab_ids).for_steps([rows], [slot])
-    at_once = run(input_ids=None, tokens=taken)
+    at_once = run(taken)
     for other in (got, at_once):
         torch.testing.assert_close(other[0], want[0])
         torch.testing.assert_close(other[1], want[1])
         assert other[2].keys() == want[2].keys() and "midlayer.input_layernorm.weight" in other[2]
         for name in want[2]:
             torch.testing.assert_close(other[2][name], want[2][name], msg=name)
-    with pytest.raises(ValueError, match="not both"):
-        draft.next_hidden(vocab_ids[rows][None], pos, attend, aux_hidden=aux, tokens=taken)
 
 
 def test_step_default_mask_is_causal_over_new_rows_after_all_past_rows():

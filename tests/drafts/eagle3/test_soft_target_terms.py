@@ -1,12 +1,12 @@
-"""The unroll's soft-target terms (objective.soft_target_terms) against autograd of their formula:
+"""The unroll's soft-target terms (fast.soft_target_ce.soft_target_terms) against autograd of their formula:
 both ways the backward gets the draft's softmax (saved, or recomputed from the saved logits and
 their logsumexp as on CUDA) give the soft cross-entropy's gradient."""
 
 import pytest
 import torch
 
-from specforge_core.drafts.eagle3 import objective
-from specforge_core.drafts.eagle3.objective import soft_target_terms
+from specforge_core.drafts.eagle3.fast import soft_target_ce
+from specforge_core.drafts.eagle3.fast.soft_target_ce import soft_target_terms
 
 
 def terms_inputs(dtype, seed=0, n=9, vd=37, nt=13):
@@ -34,7 +34,7 @@ def by_formula(logits, teacher_logits, label, weight, log_mass):
 def test_soft_target_terms_equal_their_formula_and_its_gradient(recompute, block, dtype, monkeypatch):
     """``block``: the eager path in blocks of 2 rows (a last one of 1), as it splits larger batches."""
     if block:
-        monkeypatch.setattr(objective, "EAGER_BLOCK", block)
+        monkeypatch.setattr(soft_target_ce, "EAGER_BLOCK", block)
     logits, tl, tlse, label, weight, log_mass = terms_inputs(dtype)
     upstream = torch.randn(logits.shape[0], generator=torch.Generator().manual_seed(5))
     loss, overlap, argmax = soft_target_terms(logits, tl, tlse, label, weight, log_mass, recompute=recompute)

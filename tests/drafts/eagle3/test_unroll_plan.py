@@ -1,11 +1,12 @@
 """``UnrollPlan``: every index of the unroll, worked out on the host, equals its definition
-(module doc of drafts/eagle3/objective.py) on packed, padded rows."""
+(drafts/eagle3/fast/unroll_plan.py) on packed, padded rows."""
 
 import pytest
 import torch
 
 from specforge_core.capture.base import HostMasks
-from specforge_core.drafts.eagle3.objective import UnrollPlan, _host_masks
+from specforge_core.drafts.eagle3.fast.unroll_plan import UnrollPlan
+from specforge_core.drafts.eagle3.objective import _host_masks
 from specforge_core.errors import ModelError
 
 

@@ -1,20 +1,17 @@
-"""drafts/eagle3/vocab_kernels.py: the Triton kernels equal the objective's and the teacher's own passes.
+"""drafts/eagle3/vocab_kernels.py: the Triton kernels equal the torch passes they replace
+(fast/soft_target_ce.py's, the teacher's).
 
-Runs on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set before the
-test process starts, Triton installed); skipped otherwise (a CPU-only torch has no Triton)."""
-
-import os
+Runs on CUDA, or on the CPU under Triton's interpreter (tests/drafts/triton_mode.py); skipped
+otherwise, saying why (a CPU-only torch has no Triton)."""
 
 import pytest
 import torch
 
-from specforge_core.drafts.eagle3 import objective, teacher, vocab_kernels
+from specforge_core.drafts.eagle3 import teacher, vocab_kernels
+from specforge_core.drafts.eagle3.fast import soft_target_ce
+from tests.drafts.triton_mode import TRITON_DEVICE as DEVICE, needs_triton
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    vocab_kernels.triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
-    reason="needs Triton on CUDA, or TRITON_INTERPRET=1 on the CPU",
-)
+pytestmark = needs_triton
 
 
 def _inputs(n, m, vocab, dtype, seed=0):
@@ -34,7 +31,7 @@ def _inputs(n, m, vocab, dtype, seed=0):
 def test_the_kernels_give_the_objectives_loss_overlap_argmax_and_gradient(vocab, dtype):
     logits, teacher, teacher_lse, label, weight, log_mass = _inputs(37, 11, vocab, dtype)
     got = vocab_kernels.soft_ce_forward(logits, teacher, teacher_lse, label, weight, log_mass)
-    want = objective._soft_ce_and_overlap(logits, teacher, teacher_lse, label, weight, log_mass)
+    want = soft_target_ce.soft_ce_rows(logits, teacher, teacher_lse, label, weight, log_mass)
     loss, overlap, argmax, lse, target_sum = got
     torch.testing.assert_close(loss, want[0], rtol=1e-5, atol=1e-4)
     assert (loss[weight == 0] == 0).all() and (overlap[weight == 0] == 0).all()  # rows that do not count
@@ -46,7 +43,7 @@ def test_the_kernels_give_the_objectives_loss_overlap_argmax_and_gradient(vocab,
 
     grad = torch.randn(37, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     dlogits = vocab_kernels.soft_ce_backward(logits, lse, teacher, teacher_lse, label, target_sum, weight, grad)
-    expected = objective._ce_grad(logits, want[3], teacher, teacher_lse, label, want[4], weight, grad)
+    expected = soft_target_ce.soft_ce_grad(logits, want[3], teacher, teacher_lse, label, want[4], weight, grad)
     assert dlogits.dtype == dtype and (dlogits[weight == 0] == 0).all()
     tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-5)
     torch.testing.assert_close(dlogits, expected, **tol)
