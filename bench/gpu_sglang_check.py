@@ -208,7 +208,7 @@ def phase_shape(out_dir: Path, steps: int = 5) -> None:
 
     from transformers import AutoConfig
 
-    from specforge_core.capture.sglang_args import SGLangEngineArgs
+    from specforge_core.capture.sglang_backend import SGLangEngineArgs
     from specforge_core.capture.sglang_backend import SGLangCaptureBackend
     from specforge_core.capture.sglang_engine import ModelRunnerEngine
     from specforge_core.run.topology import Topology
@@ -262,7 +262,7 @@ def phase_peer(out_dir: Path, steps: int = 5) -> None:
     from specforge.distributed import init_distributed
     from specforge.offline_capture.sglang_backend.capture import OfflineSGLangCaptureBackend
 
-    from specforge_core.capture.sglang_args import SGLangEngineArgs
+    from specforge_core.capture.sglang_backend import SGLangEngineArgs
     from specforge_core.run.topology import Topology
 
     init_distributed(tp_size=1)

@@ -29,7 +29,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
 from specforge_core.config import RunConfig, load_config
-from specforge_core.drafts import get_family
+from specforge_core.drafts import check_config, get_family
 from specforge_core.errors import SpecForgeError
 from tasks.caching import run_cached
 from tasks.data_stages import build_vocab_map, plan_key, prepare_prompt_cache, record_plan, stage_keys
@@ -55,7 +55,7 @@ def colocated_train(config: RunConfig, dry_run: bool = False) -> dict:
     ``config.data``; returns where the draft, the report and the acceptance lengths are.
     ``dry_run``: stop after the data stages with the layout the training would launch (the dry
     run's report)."""
-    config = _warm_start(config)
+    config = _warm_start(check_config(config))  # the family's own rules, before any stage writes
     run_dir = run_dir_for(config.output.dir, flow_run.name, flow_run.id)
 
     keys = stage_keys(config)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=10")
     args = ap.parse_args(argv)
     try:
-        config = load_config(args.config, args.overrides)
+        config = check_config(load_config(args.config, args.overrides))
     except SpecForgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

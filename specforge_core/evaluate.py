@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from specforge_core.cli import command_parser, run_command
 from specforge_core.config import load_config
+from specforge_core.drafts import check_config
 from specforge_core.decoding.evaluation import evaluate, evaluate_benchmarks
 from specforge_core.errors import ConfigError
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def body():
-        cfg = load_config(args.config, args.overrides)
+        cfg = check_config(load_config(args.config, args.overrides))
         if args.benchmarks is None:
             if args.settings or args.limit is not None:
                 raise ConfigError("--settings and --limit apply to benchmarks", where="--benchmarks",

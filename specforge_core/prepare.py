@@ -15,6 +15,7 @@ import sys
 
 from specforge_core.cli import command_parser, run_command
 from specforge_core.config import load_config
+from specforge_core.drafts import check_config
 
 
 def prepare(cfg) -> dict:
@@ -47,7 +48,7 @@ def prepare(cfg) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = command_parser(__doc__, "python -m specforge_core.prepare", overrides_example="data.max_length=1024")
     args = ap.parse_args(argv)
-    return run_command(lambda: prepare(load_config(args.config, args.overrides)))
+    return run_command(lambda: prepare(check_config(load_config(args.config, args.overrides))))
 
 
 if __name__ == "__main__":

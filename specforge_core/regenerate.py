@@ -17,6 +17,7 @@ from pathlib import Path
 
 from specforge_core.cli import command_parser, run_command
 from specforge_core.config import load_config
+from specforge_core.drafts import check_config
 from specforge_core.decoding.answering import regenerate
 
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="answer at most this many pending prompts")
     args = ap.parse_args(argv)
     return run_command(lambda: regenerate(
-        load_config(args.config, args.overrides), Path(args.out), files=args.input, batch_size=args.batch_size,
+        check_config(load_config(args.config, args.overrides)), Path(args.out), files=args.input, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         seed=args.seed, limit=args.limit))
 

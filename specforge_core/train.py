@@ -64,13 +64,14 @@ def parse_args(argv: list[str] | None = None):
 def load_run(args):
     """``(config, manifest or None)`` of the parsed arguments."""
     from specforge_core.config import apply_overrides, config_from_dict, load_config
+    from specforge_core.drafts import check_config
     from specforge_core.run.manifest import RunManifest
 
     if args.config:
-        return load_config(args.config, args.overrides), None
+        return check_config(load_config(args.config, args.overrides)), None
     manifest = RunManifest.load(args.manifest)
     data = apply_overrides(manifest.config, args.overrides) if args.overrides else manifest.config
-    return config_from_dict(data, source=f"{args.manifest}: config"), manifest
+    return check_config(config_from_dict(data, source=f"{args.manifest}: config")), manifest
 
 
 def print_dry_run(args) -> int:

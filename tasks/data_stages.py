@@ -27,7 +27,6 @@ from specforge_core.capture.target_info import target_vocab_size
 from specforge_core.data.vocab import ensure_vocab_map, vocab_map_key
 from specforge_core.loop.trainer import directory_identity, target_memo_dir
 from tasks.caching import StageOutput, stage_cache
-from specforge_core.run.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ def stage_keys(config: RunConfig) -> StageKeys:
 
 
 def _plan(config: RunConfig, cache: StageOutput) -> PromptPlan:
-    return PromptPlan.from_config(config, cache.facts["train_rows"], topology=Topology.from_config(config))
+    return PromptPlan.from_config(config, cache.facts["train_rows"], topology=config.topology)
 
 
 def plan_key(config: RunConfig, cache: StageOutput) -> str:

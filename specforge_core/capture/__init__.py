@@ -5,8 +5,7 @@
 
 Modules: ``base`` (request, batch, protocol), ``target_info`` (the target's config, capture
 layers, run checks against it, head weights), ``hf`` (transformers + hooks), ``sglang_backend``
-(backend over an injected engine), ``sglang_args`` (engine arguments: argv and kwargs views),
-``sglang_engine`` (the one SGLang seam), ``packing`` and ``varlen`` (packed rows). The SGLang
+(backend over an injected engine, and its engine arguments: argv and kwargs views), ``sglang_engine`` (the one SGLang seam), ``packing`` and ``varlen`` (packed rows). The SGLang
 stand-in for CPU tests is ``fixtures/fake_sglang.py``.
 """
 
@@ -48,8 +47,7 @@ def build_capture_backend(cfg, *, rank: int = 0, local_rank: int = 0, draft_conf
 
         return HFCaptureBackend.load(cfg, target_config, layer_ids, device=device, keep_last_hidden=last_hidden)
 
-    from specforge_core.capture.sglang_args import SGLangEngineArgs
-    from specforge_core.capture.sglang_backend import SGLangCaptureBackend
+    from specforge_core.capture.sglang_backend import SGLangCaptureBackend, SGLangEngineArgs
     from specforge_core.capture.target_info import load_target_head
 
     if topology is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from specforge_core.errors import ConfigError
 from specforge_core.run.topology import Topology
@@ -334,7 +334,7 @@ class TrainingConfig(_Section):
         return None if self.time_budget is None else parse_duration(self.time_budget)
 
 
-# ServerArgs fields that capture/sglang_args.py resolves itself; `capture.sglang.extra` may not set them.
+# ServerArgs fields that capture/sglang_backend.py resolves itself; `capture.sglang.extra` may not set them.
 SGLANG_RESOLVED_FIELDS = (
     "model_path", "dtype", "trust_remote_code", "skip_tokenizer_init", "tp_size", "pp_size", "dp_size",
     "ep_size", "mem_fraction_static", "attention_backend", "context_length", "max_running_requests",
@@ -493,6 +493,13 @@ class RunConfig(_Section):
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    _topology: Topology = PrivateAttr()
+
+    @property
+    def topology(self) -> Topology:
+        """The run's layout (world from ``deployment.*``), made once by this config's validation:
+        what the flow's plan and a rank's launch carry; nothing derives it again."""
+        return self._topology
 
     @model_validator(mode="before")
     @classmethod
@@ -528,31 +535,11 @@ class RunConfig(_Section):
                 "deployment.mode=local_colocated; set training.sp_size=1"
             )
         try:
-            topology = Topology.from_config(self)  # the one statement of "tp_size divides the world"
+            self._topology = Topology.from_config(self)  # the one statement of "tp_size divides the world"
         except ConfigError as e:  # as a field error of the form, with the form's shorter fix
             raise ValueError(f"{e.problem}; change capture.tp_size or deployment.nproc_per_node") from None
         if self.capture.backend == "sglang":
-            self._check_sglang_capacity(topology)
-        if self.draft.family in ("dflash", "dspark") and self.model.capture_layer_ids is not None:
-            raise ValueError(
-                "model.capture_layer_ids picks EAGLE3's three layers; a DFlash-family draft reads "
-                f"draft.{self.draft.family}.target_layer_ids: move the ids there, or remove model.capture_layer_ids"
-            )
-        if self.draft.family in ("dflash", "dspark") and self.training.feature_noise:
-            raise ValueError(
-                f"training.feature_noise={self.training.feature_noise} perturbs EAGLE3's captured features; "
-                "the DFlash objective does not read it: remove training.feature_noise"
-            )
-        if self.draft.family in ("dflash", "dspark") and self.draft.attention_backend == "flash":
-            raise ValueError(
-                "draft.attention_backend=flash is EAGLE3's step-0 kernel; a DFlash draft attends with sdpa or "
-                "flex: use auto, sdpa or flex"
-            )
-        if self.draft.family in ("dflash", "dspark") and self.draft.lm_head_init != "random":
-            raise ValueError(
-                f"draft.lm_head_init={self.draft.lm_head_init}: a DFlash draft has no lm_head of its own (it "
-                "projects through the target's frozen one); remove draft.lm_head_init"
-            )
+            self._check_sglang_capacity(self._topology)
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ import yaml
 
 from specforge_core.cli import command_parser, run_command
 from specforge_core.config import dump_config, json_schema, load_config
+from specforge_core.drafts import check_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def show() -> None:
-        print(yaml.safe_dump(dump_config(load_config(args.config, args.overrides)), sort_keys=False))
+        print(yaml.safe_dump(dump_config(check_config(load_config(args.config, args.overrides))), sort_keys=False))
 
     return run_command(show)
 

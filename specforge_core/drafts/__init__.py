@@ -1,6 +1,7 @@
 """Draft families: the one seam where a family plugs in its draft model, objective, files and decoding.
 
     family = get_family(cfg.draft.family)          # "eagle3" (default) or "dflash"
+    cfg = check_config(load_config(path))          # the family's own rules on a loaded config
     family = family_of_files(export_or_step_dir)   # from the directory's config "architectures"
 
 A family is an object with the attributes and methods of :class:`DraftFamily`. The trainer, the
@@ -37,7 +38,10 @@ class DraftFamily(Protocol):
     captures_last_hidden: bool  # needs the target's post-norm hidden (its teacher)
     loss_is_sum: bool  # True: loss is Σ w·ℓ and the trainer divides gradients by the global sums["weight_sum"]
 
-    # ---- configuration (preflight, build) ------------------------------------------------------
+    # ---- configuration (commands, preflight, build) ---------------------------------------------
+    # the family's own rules on the run config (fields another family reads, or reads otherwise):
+    # ConfigError naming the field and the fix; every command runs it once where it loads a config
+    def check_config(self, cfg) -> None: ...
     def capture_layer_ids(self, cfg, target_config, draft_config=None) -> tuple[int, ...]: ...
     def given_draft_config(self, cfg) -> Any | None: ...
     def check_draft_config(self, cfg, draft_config, target_config, vocab_size: int) -> None: ...
@@ -77,6 +81,13 @@ def get_family(name: str) -> DraftFamily:
         raise ConfigError(f"unknown draft family {name!r}", where="draft.family",
                           fix=f"set draft.family to one of {', '.join(FAMILIES)}")
     return importlib.import_module(FAMILIES[name]).FAMILY
+
+
+def check_config(cfg):
+    """``cfg`` once its draft family's own rules (:meth:`DraftFamily.check_config`) have passed;
+    what every command and the flow call where they load a run config, before anything is written."""
+    get_family(cfg.draft.family).check_config(cfg)
+    return cfg
 
 
 def family_of_files(directory: str | Path) -> DraftFamily:

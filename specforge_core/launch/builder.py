@@ -2,7 +2,7 @@
 
     launch_rank(cfg, d, manifest=manifest)                       # python -m specforge_core.train
     # which is:
-    topology = Topology.launched(cfg, d.world_size)              # the layout, resolved once
+    topology = Topology.launched(cfg, d.world_size)              # cfg.topology, once torchrun's world is checked
     checked = check_run_inputs(cfg)                              # preflight, reused below
     inputs = inputs_from_manifest(manifest, d, checked, cfg=cfg, topology=topology)  # the flow resolved everything
     inputs = resolve_inputs(cfg, d, checked, topology)           # a run started by hand
@@ -86,7 +86,7 @@ def inputs_from_manifest(manifest: RunManifest, d, checked, *, cfg, topology: To
                               where="run.json: vocab_map", fix="run the flow again to record one")
         vocab = load_vocab_map(manifest.vocab_map.path, checked.vocab_size, cfg.draft.draft_vocab_size)
         _check_key("vocab map", manifest.vocab_map.key, vocab.key, manifest.vocab_map.path)
-    plan = PromptPlan.load(manifest.plan.path)
+    plan = PromptPlan.load(manifest.plan.path, topology=topology)  # carries the launch's topology
     _check_key("plan", manifest.plan.key, plan.key, manifest.plan.path)
     rows = cache.rows("train")
     check_plan_against_config(cfg, plan, topology, len(rows), manifest.plan.path)
@@ -122,7 +122,7 @@ def resolve_inputs(cfg, d, checked, topology: Topology, *, plan_path: str | None
     if plan_path is None:
         plan = PromptPlan.from_config(cfg, len(rows), topology=topology)
     else:
-        plan = PromptPlan.load(plan_path)
+        plan = PromptPlan.load(plan_path, topology=topology)
         check_plan_against_config(cfg, plan, topology, len(rows), plan_path)
     if d.is_main and latest_checkpoint(run.root) is None:  # a fresh start; a resume changes no file
         if plan_path is None:
@@ -152,9 +152,8 @@ def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config
         with torch.device(backend.device):
             draft = family.new_draft(draft_config)
     family.attach_target(cfg, draft, backend, vocab, fresh=not cfg.draft.init_from)
-    from specforge_core.system.compile import compile_pointwise, use_fused
+    from specforge_core.system.compile import compile_pointwise
 
-    use_fused(cfg.training.compile)
     if cfg.training.compile and backend.device.type == "cuda":
         compile_pointwise(draft)
     return draft

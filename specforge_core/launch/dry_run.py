@@ -225,7 +225,7 @@ def dry_run(cfg, dataset: DatasetSize, *, world_size: int | None = None, gpu_byt
                                        checked.layer_ids)
     plan = PromptPlan.from_config(cfg, dataset.rows, topology=topology)
     if plan_path is not None:
-        check_plan_against_config(cfg, PromptPlan.load(plan_path), topology, dataset.rows, plan_path)
+        check_plan_against_config(cfg, PromptPlan.load(plan_path, topology=topology), topology, dataset.rows, plan_path)
     tokens, widest_batch = _tokens_per_micro_step(cfg, plan, dataset)
     gpu = default_gpu_bytes() if gpu_bytes is None else int(gpu_bytes)
 
@@ -309,7 +309,7 @@ def _sglang_pools(cfg, topology: Topology, text, *, weights: int, gpu: int, valu
                   widest_batch: list[int] | None) -> dict:
     """The engine arguments, the pools SGLang would size (module docstring) and the engine's own
     refusals of them (``check_engine_pools``, ``check_engine_request``)."""
-    from specforge_core.capture.sglang_args import SGLangEngineArgs
+    from specforge_core.capture.sglang_backend import SGLangEngineArgs
     from specforge_core.capture.sglang_backend import check_engine_pools, check_engine_request
 
     args = SGLangEngineArgs.resolve(cfg, topology)

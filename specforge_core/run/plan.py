@@ -32,7 +32,6 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -134,8 +133,9 @@ class PromptPlan:
                 fix="add training data, or lower training.batch_size / training.accumulation_steps",
             )
         digest = _digest(epoch_permutation(dataset_size, seed, 0))
-        return cls(dataset_size, seed, epochs, world, topology.tp_size, batch, accumulation_steps,
-                   max_steps, digest)
+        plan = cls(dataset_size, seed, epochs, world, topology.tp_size, batch, accumulation_steps, max_steps, digest)
+        object.__setattr__(plan, "_topology", topology)  # carried, not a recorded field
+        return plan
 
     @classmethod
     def from_config(cls, cfg, dataset_size: int, *, topology: Topology) -> "PromptPlan":
@@ -147,10 +147,11 @@ class PromptPlan:
 
     # ---- derived numbers ---------------------------------------------------------------------
 
-    @cached_property
+    @property
     def topology(self) -> Topology:
-        """The layout the plan was made for, made once from its record and handed down from here."""
-        return Topology(self.world_size, self.tp_size, self.batch_size)
+        """The layout the plan was built for: the very object :meth:`build` was given (the flow's
+        config's, or a rank's launch's), handed down from here."""
+        return self._topology
 
     @property
     def num_islands(self) -> int:
@@ -289,8 +290,11 @@ class PromptPlan:
         return record
 
     @classmethod
-    def from_json(cls, record: dict, *, where: str = "plan.json") -> "PromptPlan":
-        """Rebuild a recorded plan and check it reproduces here (same format and permutation)."""
+    def from_json(cls, record: dict, *, where: str = "plan.json", topology: Topology | None = None) -> "PromptPlan":
+        """Rebuild a recorded plan and check it reproduces here (same format and permutation).
+        ``topology``: the reader's layout (a rank's launch); a record of that layout carries this
+        object, so a rank makes no second one. Without it (or for a record of another layout, which
+        the reader then refuses by comparing plans) the layout is made from the record."""
         if record.get("format") != PLAN_FORMAT:
             raise ResumeError(
                 f"unknown plan format {record.get('format')!r} (expected {PLAN_FORMAT!r})",
@@ -298,7 +302,9 @@ class PromptPlan:
                 fix="record the plan again with this version (a new run), or use the version that wrote it",
             )
         try:
-            topology = Topology(record["world_size"], record["tp_size"], record["batch_size"])
+            layout = (record["world_size"], record["tp_size"], record["batch_size"])
+            if topology is None or layout != (topology.world_size, topology.tp_size, topology.batch_size):
+                topology = Topology(*layout)
             plan = cls.build(record["dataset_size"], seed=record["seed"], epochs=record["epochs"], topology=topology,
                              accumulation_steps=record["accumulation_steps"], max_steps=record.get("max_steps"))
         except KeyError as e:
@@ -322,8 +328,9 @@ class PromptPlan:
         return atomic_write_json(path, self.to_json(), durable=True)
 
     @classmethod
-    def load(cls, path: str | Path) -> "PromptPlan":
-        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")), where=str(path))
+    def load(cls, path: str | Path, *, topology: Topology | None = None) -> "PromptPlan":
+        """The plan recorded at ``path`` (see :meth:`from_json` for ``topology``)."""
+        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")), where=str(path), topology=topology)
 
     def differences(self, other: "PromptPlan") -> list[str]:
         """``field: recorded → now`` for every input that differs (empty: the same plan)."""

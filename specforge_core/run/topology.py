@@ -1,7 +1,8 @@
 """The run's topology: how the world of ranks splits into target islands, and where each rank sits.
 
     topo = Topology.from_config(cfg)                    # world from deployment.*, or world_size=N
-    topo = Topology.launched(cfg, world_size)           # refuses a launch of another size than the config's
+    topo = cfg.topology                                 # the one a validated RunConfig made
+    topo = Topology.launched(cfg, world_size)           # cfg.topology, unless the launch has another size
     topo.num_islands, topo.island_batch_size            # W / tp, tp × batch_size
     place = topo.place(rank)                            # RankPlace(rank, island, tp_rank, island_ranks, local)
 
@@ -63,7 +64,8 @@ class Topology:
     @classmethod
     def launched(cls, cfg, world_size: int) -> "Topology":
         """The topology of a launch of ``world_size`` ranks (torchrun's world, or a dry run's
-        ``--world``): ConfigError naming ``deployment.nproc_per_node`` unless it is the config's."""
+        ``--world``): the config's own (``cfg.topology``, made by its validation; no other is made),
+        ConfigError naming ``deployment.nproc_per_node`` unless ``world_size`` is the config's."""
         if world_size != cfg.deployment.world_size:
             raise ConfigError(
                 f"{world_size} ranks are launched (torchrun's world, or a dry run's --world) but the config plans for "
@@ -71,7 +73,7 @@ class Topology:
                 where="deployment.nproc_per_node",
                 fix=f"set deployment.nproc_per_node (× nnodes) to {world_size}, or launch that many ranks",
             )
-        return cls.from_config(cfg, world_size)
+        return cfg.topology
 
     @property
     def num_islands(self) -> int:

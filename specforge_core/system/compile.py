@@ -1,13 +1,13 @@
 """``torch.compile`` where it pays in the training step, and where its caches live.
 
-    from specforge_core.system.compile import compile_pointwise, compile_target, fused, use_fused, compile_cache
+    from specforge_core.system.compile import compile_pointwise, compile_target, fused, compile_cache
     compile_target(target.model)         # the hf backend does this with training.compile on CUDA
     compile_pointwise(draft)             # python -m specforge_core.train does this likewise
-    loss = fused(fn, logits.device)(logits, ...)   # the EAGLE3 unroll's memory-bound passes
+    loss = fused(fn, logits.device, compile)(logits, ...)   # the EAGLE3 unroll's memory-bound passes
     with compile_cache(run_dir / "compile-cache"): ...   # train.py: a resumed run reuses the graphs
 
-Three kinds of code are compiled, all only with ``training.compile`` on CUDA (the draft builder
-calls :func:`use_fused`; flex attention, the EAGLE3 draft's attention in fp32 and DFlash's, is
+Three kinds of code are compiled, all only with ``training.compile`` on CUDA (the EAGLE3 objective
+hands it to each :func:`fused` call as an argument; flex attention, the EAGLE3 draft's attention in fp32 and DFlash's, is
 compiled always, it has no fast eager path):
 
 - the target's decoder layers, each as one region (:func:`compile_target`: RoPE, the residual
@@ -37,19 +37,13 @@ from torch import nn
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 _COMPILED: dict = {}
-_FUSED = [True]
 
 
-def use_fused(enabled: bool) -> None:
-    """Compile :func:`fused` functions on CUDA (the default) or run them eagerly; the draft
-    builder sets it from ``training.compile``."""
-    _FUSED[0] = bool(enabled)
-
-
-def fused(fn, device: torch.device):
-    """``fn`` compiled (once per function, :func:`rows_dynamic`) when ``device`` is CUDA and
-    :func:`use_fused` allows it, else ``fn`` itself."""
-    if torch.device(device).type != "cuda" or not _FUSED[0]:
+def fused(fn, device: torch.device, enabled: bool):
+    """``fn`` compiled (once per function, :func:`rows_dynamic`) when ``enabled`` (the caller's
+    ``training.compile``) and ``device`` is CUDA, else ``fn`` itself. No state: two objectives of
+    one process may differ."""
+    if not enabled or torch.device(device).type != "cuda":
         return fn
     if fn not in _COMPILED:
         _COMPILED[fn] = rows_dynamic(torch.compile(fn, dynamic=True))

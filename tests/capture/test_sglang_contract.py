@@ -17,7 +17,7 @@ import pytest
 
 from fixtures.wheels import wheel_path
 from specforge_core.capture import sglang_engine
-from specforge_core.capture.sglang_args import SGLangEngineArgs
+from specforge_core.capture.sglang_backend import SGLangEngineArgs
 from specforge_core.capture.sglang_engine import SGLANG_VERSION
 from specforge_core.config import load_config
 from specforge_core.run.topology import Topology

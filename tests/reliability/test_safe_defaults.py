@@ -15,7 +15,7 @@ import fsspec
 import pytest
 import yaml
 
-from specforge_core.capture.sglang_args import SGLangEngineArgs
+from specforge_core.capture.sglang_backend import SGLangEngineArgs
 from specforge_core.config import RunConfig, config_from_dict, dump_config
 from specforge_core.errors import ConfigError
 from specforge_core.prepare import main as prepare_main

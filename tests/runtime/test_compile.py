@@ -13,19 +13,12 @@ def _double(x):
     return 2 * x
 
 
-@pytest.fixture(autouse=True)
-def _restore_fusion():
-    yield
-    comp.use_fused(True)
-
-
-def test_fused_compiles_only_for_cuda_and_only_when_allowed():
-    comp.use_fused(False)
-    assert comp.fused(_double, torch.device("cuda")) is _double
-    comp.use_fused(True)
-    compiled = comp.fused(_double, torch.device("cuda"))  # wrapping compiles nothing yet: no GPU needed
-    assert compiled is not _double and comp.fused(_double, "cuda") is compiled
-    assert comp.fused(_double, torch.device("cpu")) is _double
+def test_fused_compiles_only_for_cuda_and_only_when_asked():
+    assert comp.fused(_double, torch.device("cuda"), False) is _double
+    compiled = comp.fused(_double, torch.device("cuda"), True)  # wrapping compiles nothing yet: no GPU needed
+    assert compiled is not _double and comp.fused(_double, "cuda", True) is compiled
+    assert comp.fused(_double, "cuda", False) is _double  # the compiled one changed nothing for others
+    assert comp.fused(_double, torch.device("cpu"), True) is _double
 
 
 def _scores(logits, teacher, label, keys):
@@ -84,18 +77,29 @@ def test_regions_compile_their_row_counts_symbolic_and_a_weight_given_as_input_c
     assert all(type(size) is int for size in constants) and constants == (24, 16, 16, 8)
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_the_draft_builder_sets_fusion_from_training_compile(tiny_target_dir, compile):
+def test_two_objectives_of_one_process_compile_or_not_each_as_its_config_says(tiny_target_dir, monkeypatch):
     from specforge_core.drafts import get_family
-    from specforge_core.launch.builder import build_draft
-    from tests.drafts.eagle3.fixtures import hf_backend, random_vocab_map
+    from specforge_core.drafts.eagle3 import attention, rows, teacher
+    from specforge_core.drafts.eagle3.fast import soft_target_ce
+    from specforge_core.launch.builder import build_draft, build_objective
+    from tests.drafts.eagle3.fixtures import hf_backend, random_batch, random_vocab_map
 
-    comp.use_fused(not compile)
-    backend = hf_backend(tiny_target_dir)
-    cfg = load_config(None, [f"model.target={tiny_target_dir}", "draft.draft_vocab_size=64",
-                             f"training.compile={str(compile).lower()}"])
-    build_draft(cfg, get_family("eagle3"), backend, random_vocab_map(backend.vocab_size, 64))
-    assert (comp.fused(_double, "cuda") is not _double) == compile
+    asked = []
+    for module in (attention, rows, soft_target_ce, teacher):  # every fused call site of the EAGLE3 objective
+        monkeypatch.setattr(module, "fused", lambda fn, device, enabled: (asked.append(enabled), fn)[1])
+    backend, family = hf_backend(tiny_target_dir), get_family("eagle3")
+    vocab = random_vocab_map(backend.vocab_size, 64)
+    runs = {}
+    for compile in (True, False):
+        cfg = load_config(None, [f"model.target={tiny_target_dir}", "draft.draft_vocab_size=64",
+                                 "training.ttt_length=3", f"training.compile={str(compile).lower()}"])
+        runs[compile] = build_draft(cfg, family, backend, vocab), build_objective(cfg, family, backend)[0]
+    batch = random_batch(1, [10, 7], 10, backend.hidden_size, vocab=backend.vocab_size)
+    for compile in (True, False, True):  # interleaved: neither run's setting leaks into the other's
+        draft, loss_of = runs[compile]
+        asked.clear()
+        loss_of(draft, batch)[0].backward()  # the backward's fused passes read the setting from the ctx
+        assert asked and set(asked) == {compile}
 
 
 def test_the_draft_layer_is_compiled_as_its_two_regions_and_nothing_inside_it_twice():

@@ -21,7 +21,7 @@ from specforge_core.drafts.dflash import draft_config as configs
 from specforge_core.drafts.dflash import serving
 from specforge_core.drafts.dflash.model import DFlashDraftModel
 from specforge_core.drafts.dflash.objective import dflash_loss, summarize_dflash_metrics
-from specforge_core.errors import ModelError
+from specforge_core.errors import ConfigError, ModelError
 
 
 def batch_generator(seed: int, task_ids) -> torch.Generator:
@@ -47,6 +47,34 @@ class DFlashFamily:
     loss_is_sum = True
 
     # ---- configuration ---------------------------------------------------------------------------
+
+    def check_config(self, cfg) -> None:
+        """Refuse the fields a DFlash-family draft (DFlash, and DSpark, which inherits this) does not
+        read: each means something to EAGLE3 only."""
+        if cfg.model.capture_layer_ids is not None:
+            ids = f"draft.{cfg.draft.family}.target_layer_ids"
+            raise ConfigError(
+                f"model.capture_layer_ids picks EAGLE3's three layers; a DFlash-family draft reads {ids}",
+                where="model.capture_layer_ids",
+                fix=f"move the ids to {ids}, or remove model.capture_layer_ids",
+            )
+        if cfg.training.feature_noise:
+            raise ConfigError(
+                f"training.feature_noise={cfg.training.feature_noise} perturbs EAGLE3's captured features; "
+                "the DFlash objective does not read it",
+                where="training.feature_noise", fix="remove training.feature_noise",
+            )
+        if cfg.draft.attention_backend == "flash":
+            raise ConfigError(
+                "draft.attention_backend=flash is EAGLE3's step-0 kernel; a DFlash draft attends with sdpa or flex",
+                where="draft.attention_backend", fix="use auto, sdpa or flex",
+            )
+        if cfg.draft.lm_head_init != "random":
+            raise ConfigError(
+                f"draft.lm_head_init={cfg.draft.lm_head_init}: a DFlash draft has no lm_head of its own (it "
+                "projects through the target's frozen one)",
+                where="draft.lm_head_init", fix="remove draft.lm_head_init",
+            )
 
     def capture_layer_ids(self, cfg, target_config, draft_config=None) -> tuple[int, ...]:
         text = text_config(target_config)

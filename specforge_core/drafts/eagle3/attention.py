@@ -104,8 +104,8 @@ class TTTAttention:
     """
 
     def __init__(self, attention_mask: torch.Tensor, seq_ids: torch.Tensor, backend: str = "auto", *,
-                 real_rows: torch.Tensor | None = None, spans: list[int] | None = None):
-        self.requested = backend
+                 real_rows: torch.Tensor | None = None, spans: list[int] | None = None, compile: bool = True):
+        self.requested, self.compile = backend, compile
         self.backend = None if backend == "auto" and attention_mask.is_cuda else resolve_backend(backend, attention_mask.device)
         b, t = attention_mask.shape
         self.shape = (b, t)
@@ -170,7 +170,7 @@ class TTTAttention:
         # Steps 1..k: the key/value each step made at the query's own position.
         b, t = self.shape
         here = same_at if same_at is not None else [_slots(r, b * t)[q_rows] for r in key_rows[1:]]
-        out = fused(_same_position_merge, q.device)(q, out0, lse0, keys[1:], values[1:], here, scale)
+        out = fused(_same_position_merge, q.device, self.compile)(q, out0, lse0, keys[1:], values[1:], here, scale)
         out = out.view(1, -1, nh, hd)
         if merged is not None:  # the step-0 block's backward reads it (flash.py)
             merged.hold(out.squeeze(0), at, self.real_rows.numel())

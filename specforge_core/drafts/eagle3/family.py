@@ -30,6 +30,9 @@ class Eagle3Family:
 
     # ---- configuration ---------------------------------------------------------------------------
 
+    def check_config(self, cfg) -> None:
+        """Nothing to refuse: the run config's draft fields are EAGLE3's; ``draft.dflash.*`` is not read."""
+
     def capture_layer_ids(self, cfg, target_config, draft_config=None) -> tuple[int, ...]:
         return resolve_capture_layers(cfg, target_config, draft_config)
 
@@ -119,6 +122,7 @@ class Eagle3Family:
             backend=cfg.draft.attention_backend,
             vocab_chunk=cfg.capture.teacher_chunk_size,
             feature_noise=cfg.training.feature_noise,
+            compile=cfg.training.compile,
         )
 
     def summarize(self, cfg, sums: dict) -> dict:

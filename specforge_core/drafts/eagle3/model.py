@@ -187,11 +187,12 @@ class ProjectedTokens(NamedTuple):
     rows: torch.Tensor
     weights: QKVWeights
 
-    def for_steps(self, rows: list, slots: list) -> list["ProjectedTokens"]:
+    def for_steps(self, rows: list, slots: list, *, compile: bool = True) -> list["ProjectedTokens"]:
         """Each unrolled step's tokens, ``rows[j]`` (indices without repeats, with their slot
         maps ``slots[j]``), taken at once: ``rows.take_parts`` gives the tokens their gradient in
-        one pass for all steps, instead of a scatter into zeros per step and an add per step."""
-        return [ProjectedTokens(x, self.weights) for x in take_parts(self.rows, 0, rows, slots)]
+        one pass for all steps, instead of a scatter into zeros per step and an add per step
+        (``compile``: ``training.compile``, for that pass)."""
+        return [ProjectedTokens(x, self.weights) for x in take_parts(self.rows, 0, rows, slots, compile=compile)]
 
 
 class Eagle3DraftModel(nn.Module):

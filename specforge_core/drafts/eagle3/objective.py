@@ -70,7 +70,7 @@ def noisy_features(aux: torch.Tensor, layers: int, scale: float) -> torch.Tensor
 
 def ttt_unroll(
     draft, batch, lm_head_weight: torch.Tensor, *, ttt_length: int = 7, backend: str = "auto", vocab_chunk: int = 32768,
-    feature_noise: float = 0.0,
+    feature_noise: float = 0.0, compile: bool = True,
 ) -> list[StepTerms]:
     """Run the K-step unroll and return the per-position terms of every step (see module doc).
 
@@ -84,7 +84,9 @@ def ttt_unroll(
     Which rows each step computes is worked out on the host from one copy of the
     batch's masks (:class:`UnrollPlan`), so the device never waits for the host inside the unroll.
     The steps' logits are made after the last step, for the rows of all steps at once; the
-    terms of skipped steps are zeros. The terms are views of ``[K, B, T]`` tensors.
+    terms of skipped steps are zeros. The terms are views of ``[K, B, T]`` tensors. ``compile``
+    (``training.compile``): the fused passes (teacher, merge, row gradients, soft CE) compiled on
+    CUDA; it reaches each of them as an argument.
     """
     ids, attn, lm, aux, last, pos, seq = _read_batch(batch, lm_head_weight)
     b, t = ids.shape
@@ -99,13 +101,14 @@ def ttt_unroll(
             teacher = given.take(plan.teacher_index + 1)
         else:
             teacher = compute_teacher(last.flatten(0, 1)[plan.teacher_index + 1], lm_head_weight, draft.t2d,
-                                      vocab_chunk=vocab_chunk)
+                                      vocab_chunk=vocab_chunk, compile=compile)
     target_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
     # step k's token at position t is ids[t+1+k] (0 past the row's end, one pad per row): each is
     # embedded and projected once for all steps (model.Eagle3DecoderLayer's doc)
     with record_function("eagle3.tokens"):
-        step_tokens = plan.tokens_by_step(draft.project_tokens(F.pad(ids.flatten(), (0, b))[plan.token_index]))
-    attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans)
+        step_tokens = plan.tokens_by_step(draft.project_tokens(F.pad(ids.flatten(), (0, b))[plan.token_index]),
+                                          compile=compile)
+    attention = TTTAttention(attn, seq, backend, real_rows=plan.real, spans=plan.spans, compile=compile)
     keys, values, key_rows, scored = [], [], [], []
 
     carried = None
@@ -130,7 +133,7 @@ def ttt_unroll(
             hidden = draft.next_hidden(step_tokens[0], start, step_pos, attend, queries=plan.queries0)
         else:
             hidden = draft.next_hidden(step_tokens[k], carried, step_pos, attend)
-        carried, here = plan.carried_and_scored(hidden, k)  # the rows step k+1 carries on; those with a step-k target
+        carried, here = plan.carried_and_scored(hidden, k, compile=compile)  # the rows step k+1 carries on; those with a step-k target
         scored.append(here)
 
     # Every step's scored rows through the head and the loss at once: the logits feed nothing but
@@ -142,7 +145,7 @@ def ttt_unroll(
     with record_function("eagle3.loss_terms"):
         pm = teacher.in_draft[label]
         loss, overlap, argmax = soft_target_terms(logits, teacher.logits, teacher.lse, label, pm.float(),
-                                                  teacher.log_mass[label])
+                                                  teacher.log_mass[label], compile=compile)
         with torch.no_grad():
             correct = target_ids[argmax] == teacher.argmax[label]
             accept = torch.where(pm, overlap, torch.zeros_like(overlap))
@@ -163,13 +166,15 @@ def eagle3_loss(
     backend: str = "auto",
     vocab_chunk: int = 32768,
     feature_noise: float = 0.0,
+    compile: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, sums)``: the scalar ``Σ_k decay^k L_k`` and the summable metric numerators and
     denominators (``metrics.metric_sums``; reduce across ranks by summing). ``feature_noise`` > 0
-    trains on noisy features (:func:`noisy_features`); the teacher is never perturbed."""
+    trains on noisy features (:func:`noisy_features`); the teacher is never perturbed. ``compile``:
+    ``training.compile`` (:func:`ttt_unroll`)."""
     steps = ttt_unroll(
         draft, batch, lm_head_weight, ttt_length=ttt_length, backend=backend, vocab_chunk=vocab_chunk,
-        feature_noise=feature_noise,
+        feature_noise=feature_noise, compile=compile,
     )
     b, t = steps[0].loss.shape
     loss = sum(decay**k * s.loss.sum() for k, s in enumerate(steps)) / (b * t)

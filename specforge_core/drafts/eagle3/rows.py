@@ -61,8 +61,8 @@ def _gather_sum(grads: list, slots: list, dim: int) -> torch.Tensor:
 
 class _TakeParts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, parts, *indices_and_slots):
-        ctx.dim = dim
+    def forward(ctx, x, dim, compile, parts, *indices_and_slots):
+        ctx.dim, ctx.compile = dim, compile
         ctx.set_materialize_grads(False)  # a part whose output reaches nothing reads nothing
         ctx.save_for_backward(*indices_and_slots[parts:])
         return tuple(x.index_select(dim, index) for index in indices_and_slots[:parts])
@@ -71,16 +71,17 @@ class _TakeParts(torch.autograd.Function):
     def backward(ctx, *grads):
         slots = ctx.saved_tensors
         used = [(g, s) for g, s in zip(grads, slots) if g is not None and g.shape[ctx.dim]]
-        grad = fused(_gather_sum, used[0][0].device)([g for g, _ in used], [s for _, s in used], ctx.dim) \
+        grad = fused(_gather_sum, used[0][0].device, ctx.compile)([g for g, _ in used], [s for _, s in used], ctx.dim) \
             if used else None
-        return grad, None, None, *(None,) * (2 * len(slots))
+        return grad, None, None, None, *(None,) * (2 * len(slots))
 
 
-def take_parts(x: torch.Tensor, dim: int, indices: list, slots: list) -> tuple:
+def take_parts(x: torch.Tensor, dim: int, indices: list, slots: list, *, compile: bool = True) -> tuple:
     """``tuple(x.index_select(dim, i) for i in indices)`` for index tensors without repeats (parts
     may share rows, and need not cover them all), given their slot maps: ``slots[j][r]`` is row
     r's position in ``indices[j]`` or -1. The slot maps are not checked: a repeated index keeps
-    one gradient. Without a gradient it is the index_selects."""
+    one gradient. Without a gradient it is the index_selects. ``compile`` (``training.compile``): the
+    backward's gather compiled on CUDA."""
     if not (x.requires_grad and torch.is_grad_enabled()):
         return tuple(x.index_select(dim, index) for index in indices)
-    return _TakeParts.apply(x, dim, len(indices), *indices, *slots)
+    return _TakeParts.apply(x, dim, compile, len(indices), *indices, *slots)

@@ -100,11 +100,14 @@ def compute_teacher(
     t2d: torch.Tensor,
     vocab_chunk: int = 32768,
     token_chunk: int = 8192,
+    *,
+    compile: bool = True,
 ) -> Teacher:
     """Teacher of every position of ``last_hidden [..., Ht]`` under head ``lm_head_weight [V, Ht]``.
 
     ``t2d`` is the bool ``[V]`` draft-vocab mask. Logits are ``h.to(W.dtype) @ W_chunk^T``, kept in
     that dtype (``Teacher.logits``); softmax, logsumexp and argmax read them in fp32. No gradient.
+    ``compile`` (``training.compile``): the per-chunk statistics compiled on CUDA.
     """
     if lm_head_weight.device.type == "cpu":
         vocab_chunk = min(vocab_chunk, CPU_VOCAB_CHUNK)
@@ -137,12 +140,12 @@ def compute_teacher(
                 if hi > lo:
                     run_draft_lse = torch.logaddexp(run_draft_lse, chunk_draft_lse)
             elif cuda and hi > lo:  # one compiled pass over the chunk, in the head's dtype
-                picked, chunk_draft_lse, chunk_max, chunk_arg, chunk_lse = fused(_chunk_stats, device)(
+                picked, chunk_draft_lse, chunk_max, chunk_arg, chunk_lse = fused(_chunk_stats, device, compile)(
                     logits, draft_ids[lo:hi] - v0)
                 draft_logits[t0 : t0 + h.shape[0], lo:hi] = picked
                 run_draft_lse = torch.logaddexp(run_draft_lse, chunk_draft_lse)
             elif cuda:
-                chunk_max, chunk_arg, chunk_lse = fused(_chunk_stats_no_draft, device)(logits)
+                chunk_max, chunk_arg, chunk_lse = fused(_chunk_stats_no_draft, device, compile)(logits)
             else:
                 logits = logits.float()
                 if hi > lo:

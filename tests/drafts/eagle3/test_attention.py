@@ -35,9 +35,10 @@ def test_auto_backend_is_sdpa_on_cpu_flash_on_cuda_but_flex_in_fp32_and_unknown_
 
 def test_the_flash_backend_is_refused_for_a_dflash_draft_when_the_config_is_read():
     from specforge_core.config import load_config
+    from specforge_core.drafts import check_config
 
     with pytest.raises(ConfigError, match="draft.attention_backend=flash"):
-        load_config(None, ["draft.family=dflash", "draft.attention_backend=flash"])
+        check_config(load_config(None, ["draft.family=dflash", "draft.attention_backend=flash"]))
 
 
 def attention_inputs(seed, B=2, T=9, nh=4, nkv=2, hd=8, steps=4, padded=True):

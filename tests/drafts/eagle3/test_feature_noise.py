@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specforge_core.config import load_config
-from specforge_core.drafts import get_family
+from specforge_core.drafts import check_config, get_family
 from specforge_core.drafts.eagle3.objective import noisy_features
 
 
@@ -73,4 +73,4 @@ def test_feature_noise_is_refused_where_it_means_nothing_naming_the_field(overri
     from specforge_core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=match):
-        load_config(None, override)
+        check_config(load_config(None, override))

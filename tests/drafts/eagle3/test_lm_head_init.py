@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specforge_core.config import load_config
-from specforge_core.drafts import get_family
+from specforge_core.drafts import check_config, get_family
 from specforge_core.launch.builder import build_draft
 from tests.drafts.eagle3.fixtures import hf_backend, random_vocab_map
 
@@ -24,7 +24,7 @@ def test_lm_head_init_is_refused_for_a_dflash_draft_naming_the_field():
     from specforge_core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="draft.lm_head_init"):
-        load_config(None, ["draft.family=dflash", "draft.lm_head_init=target"])
+        check_config(load_config(None, ["draft.family=dflash", "draft.lm_head_init=target"]))
 
 
 def test_a_target_head_of_another_width_is_refused_naming_the_setting(tiny_target_dir):

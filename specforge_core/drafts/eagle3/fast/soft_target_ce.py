@@ -20,6 +20,8 @@ and its backward, picked in one place (:func:`implementation_for`):
 All three give the plain function's values and gradient (tests/drafts/eagle3/fast/test_soft_target_ce.py).
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from specforge_core.drafts.eagle3 import vocab_kernels
@@ -43,21 +45,23 @@ def soft_target_terms_plain(logits, teacher_logits, teacher_lse, label, weight, 
     return loss, overlap.detach(), logits.detach().argmax(dim=-1)
 
 
-def soft_target_terms(logits, teacher_logits, teacher_lse, label, weight, log_mass, *, recompute: bool | None = None):
+def soft_target_terms(logits, teacher_logits, teacher_lse, label, weight, log_mass, *, recompute: bool | None = None,
+                      compile: bool = True):
     """:func:`soft_target_terms_plain`'s ``(loss, overlap, argmax)`` by the implementation
     :func:`implementation_for` picks; ``recompute`` (default: on CUDA) asks for one whose backward
-    recomputes the draft's softmax instead of saving it. All give the same gradient."""
+    recomputes the draft's softmax instead of saving it; ``compile`` (``training.compile``) lets the
+    torch recompute be compiled. All give the same gradient."""
     recompute = logits.is_cuda if recompute is None else recompute
-    impl = implementation_for(logits, teacher_logits, recompute=recompute)
+    impl = implementation_for(logits, teacher_logits, recompute=recompute, compile=compile)
     return SoftTargetTerms.apply(logits, teacher_logits, teacher_lse, label, weight, log_mass, impl)
 
 
-def implementation_for(logits, teacher_logits, *, recompute: bool) -> type:
+def implementation_for(logits, teacher_logits, *, recompute: bool, compile: bool = True):
     """The one place the implementation is chosen: Triton where its kernels apply, else the
-    torch recompute on request, else the saved softmax."""
+    torch recompute on request (compiled as ``compile`` says), else the saved softmax."""
     if not recompute:
         return SavedSoftmaxSoftCE
-    return TritonSoftCE if vocab_kernels.usable(logits, teacher_logits) else RecomputeSoftCE
+    return TritonSoftCE if vocab_kernels.usable(logits, teacher_logits) else RecomputeSoftCE(compile)
 
 
 class SoftTargetTerms(torch.autograd.Function):
@@ -122,18 +126,21 @@ class TritonSoftCE:
         return vocab_kernels.soft_ce_backward(logits, *saved, grad)
 
 
+@dataclass(frozen=True)
 class RecomputeSoftCE:
-    """:func:`soft_ce_rows` and :func:`soft_ce_grad`, compiled on CUDA (``runtime.compile.fused``)."""
+    """:func:`soft_ce_rows` and :func:`soft_ce_grad`, compiled on CUDA when ``compile``
+    (``training.compile``; ``system.compile.fused``). The autograd ctx keeps this object, so the
+    backward compiles as its forward did."""
 
-    @staticmethod
-    def forward(logits, teacher_logits, teacher_lse, label, weight, log_mass):
-        loss, overlap, argmax, lse, target_sum = fused(soft_ce_rows, logits.device)(
+    compile: bool = True
+
+    def forward(self, logits, teacher_logits, teacher_lse, label, weight, log_mass):
+        loss, overlap, argmax, lse, target_sum = fused(soft_ce_rows, logits.device, self.compile)(
             logits, teacher_logits, teacher_lse, label, weight, log_mass)
         return loss, overlap, argmax, (logits, lse, teacher_logits, teacher_lse, label, target_sum, weight)
 
-    @staticmethod
-    def backward(grad, dtype, logits, *saved):
-        return fused(soft_ce_grad, logits.device)(logits, *saved, grad)
+    def backward(self, grad, dtype, logits, *saved):
+        return fused(soft_ce_grad, logits.device, self.compile)(logits, *saved, grad)
 
 
 class SavedSoftmaxSoftCE:

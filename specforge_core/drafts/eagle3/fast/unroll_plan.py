@@ -88,18 +88,21 @@ class UnrollPlan:
         return cls(valid=_to_device(torch.from_numpy(np.stack(valid)), device), spans=spans,
                    **_one_copy(indices, device))
 
-    def tokens_by_step(self, tokens) -> dict:
+    def tokens_by_step(self, tokens, *, compile: bool = True) -> dict:
         """Each running step's tokens (step → ``ProjectedTokens``) from ``tokens``, the projection
-        of the ids ``token_index`` names, taken at once (``ProjectedTokens.for_steps``)."""
+        of the ids ``token_index`` names, taken at once (``ProjectedTokens.for_steps``; ``compile``:
+        ``training.compile``, for its gradient's gather)."""
         runs = [k for k, rows in enumerate(self.rows) if rows is not None]
-        return dict(zip(runs, tokens.for_steps([self.token_rows[k] for k in runs], [self.token_slot[k] for k in runs])))
+        return dict(zip(runs, tokens.for_steps([self.token_rows[k] for k in runs], [self.token_slot[k] for k in runs],
+                                               compile=compile)))
 
-    def carried_and_scored(self, hidden: torch.Tensor, k: int) -> tuple:
+    def carried_and_scored(self, hidden: torch.Tensor, k: int, *, compile: bool = True) -> tuple:
         """Step k's outputs ``hidden [1, rows[k], H]`` split into the rows step k+1 carries on
         (None where step k+1 does not run) and the rows scored at step k: ``index_select``s
-        whose gradients are gathered back (``rows.take_parts``)."""
+        whose gradients are gathered back (``rows.take_parts``, compiled as ``compile`` says)."""
         if k + 1 < len(self.rows) and self.rows[k + 1] is not None:
-            return take_parts(hidden, 1, [self.carry[k + 1], self.here[k]], [self.carry_slot[k + 1], self.here_slot[k]])
+            return take_parts(hidden, 1, [self.carry[k + 1], self.here[k]], [self.carry_slot[k + 1], self.here_slot[k]],
+                              compile=compile)
         if self.here[k].numel() == hidden.shape[1]:  # every row has a step-k target (the last step's)
             return None, hidden
         return None, take_rows(hidden, 1, self.here[k])

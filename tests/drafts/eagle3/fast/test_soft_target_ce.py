@@ -54,7 +54,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", [SavedSoftmaxSoftCE, RecomputeSoftCE], ids=["saved_softmax", "recompute"])
+@pytest.mark.parametrize("impl", [SavedSoftmaxSoftCE, RecomputeSoftCE()], ids=["saved_softmax", "recompute"])
 def test_the_torch_implementations_equal_the_plain_terms_and_gradient(impl, dtype, device):
     _assert_equals_plain(impl, dtype, device)
 
@@ -75,8 +75,8 @@ def test_the_triton_implementation_equals_the_plain_terms_and_gradient(dtype):
 def test_one_place_picks_the_implementation():
     x = torch.zeros(4, 8)
     assert implementation_for(x, x, recompute=False) is SavedSoftmaxSoftCE
-    assert implementation_for(x, x, recompute=True) is RecomputeSoftCE  # CPU tensors: no Triton
+    assert implementation_for(x, x, recompute=True) == RecomputeSoftCE()  # CPU tensors: no Triton
     if torch.cuda.is_available() and soft_target_ce.vocab_kernels.triton is not None:
         y = x.cuda()
         assert implementation_for(y, y, recompute=True) is TritonSoftCE
-        assert implementation_for(y.t(), y, recompute=True) is RecomputeSoftCE
+        assert implementation_for(y.t(), y, recompute=True) == RecomputeSoftCE()

@@ -1,6 +1,6 @@
 """SGLang engine arguments: resolved once, two views (argv, kwargs) that agree."""
 
-from specforge_core.capture.sglang_args import SGLangEngineArgs
+from specforge_core.capture.sglang_backend import SGLangEngineArgs
 from specforge_core.config import SGLANG_RESOLVED_FIELDS, load_config
 from specforge_core.run.topology import Topology
 
