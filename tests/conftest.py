@@ -15,6 +15,13 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton's interpreter where there is no CUDA device, so that the Triton kernels' equality tests
+# run on the CPU (tests/drafts/triton_mode.py): it must be on before anything imports Triton, and
+# the first test files collected (tests/capture, tests/decoding) import it through the drafts.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # One intra-op thread per worker when xdist runs two of them on the 2 cores: a second thread each
 # only spins against the other worker's processes (SmolLM2 decoding ran 5x slower in the suite than
 # alone). Set, not defaulted: workers inherit the controller's environment, where this file has

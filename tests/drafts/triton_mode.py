@@ -1,5 +1,5 @@
 """Where the Triton kernels run in this test process: on CUDA, or on the CPU under Triton's
-interpreter (tests/drafts/conftest.py turns it on where there is no CUDA device).
+interpreter (tests/conftest.py turns it on where there is no CUDA device).
 
     @needs_triton
     def test_kernel(): ...   # tensors on TRITON_DEVICE
