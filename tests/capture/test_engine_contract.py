@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from fixtures.fake_sglang import FakeSGLangEngine
-from specforge_core.capture.sglang_args import SGLangEngineArgs
-from specforge_core.capture.sglang_backend import check_engine_pools, check_engine_request
+from specforge_core.capture.sglang_backend import SGLangEngineArgs, check_engine_pools, check_engine_request
 from specforge_core.capture.sglang_engine import ModelRunnerEngine, pack_local
 from specforge_core.config import load_config
 from specforge_core.errors import CaptureError
