@@ -5,12 +5,17 @@ tokenizer selects the prompts, it answers them and it is the target of the short
 """
 
 import json
+import os
+import shlex
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 
 from scripts.sharegpt_realcheck import (
     PLACEHOLDER,
+    ROOT,
     RealCheck,
     is_first_part,
     main,
@@ -21,6 +26,7 @@ from scripts.sharegpt_realcheck import (
     select_prompts,
 )
 from specforge_core.config import config_from_dict
+from specforge_core.loop.checkpoint import latest_checkpoint
 from specforge_core.data.benchmarks import BenchmarkPrompt, sharegpt_split
 from specforge_core.errors import DataError
 
@@ -130,7 +136,15 @@ def test_the_whole_chain_trains_on_a_budget_evaluates_and_reports(tiny_target_di
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["training"]["train_seconds"] >= 4.0 and results["training"]["time_budget"] == "4s"
     assert 0 < results["training"]["vocab_coverage"] <= 1
-    assert results["heldout"]["acceptance_length"] >= 1.0 and results["heldout"]["prompts"] == 2
+    heldout = results["heldout"]
+    assert heldout["prompts"] == 2 and heldout["settings"]["checkpoint"] == latest_checkpoint(tmp_path / "run").name
+    # the reported figures are a decode of the run's last checkpoint: the evaluator, run again on it, agrees
+    again = subprocess.run([sys.executable, *shlex.split(heldout["command"])], cwd=ROOT, capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert again.returncode == 0, again.stderr[-3000:]
+    reference = json.loads(again.stdout.strip().splitlines()[-1])
+    for figure in ("acceptance_length", "per_position_acceptance", "generated_tokens"):
+        assert heldout[figure] == reference[figure], figure
     assert "data.eval_files=" in results["heldout"]["command"] and "data.eval_files=" not in results["validation"]["command"]
     assert [g["position"] for g in results["gap"]] == [1, 2, 3] and results["curve"]
     assert (tmp_path / "run" / "report" / "curves-time.png").is_file()

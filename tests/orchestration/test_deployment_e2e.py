@@ -2,6 +2,10 @@
 `prefect deploy` of deployments/prefect.yaml, a process worker, and the tiny profile through
 `prefect deployment run colocated-train/default`. Crash, retry, cancel and recovery are driven the
 way a user drives them: signals to the worker's flow-run process and the `prefect` CLI.
+
+Before a test signals a run it SIGSTOPs torchrun and its ranks, so the run is still training when
+the signal lands however fast the machine: a paused rank cannot finish. The shutdown's SIGTERM then
+waits on the paused processes, and its SIGKILL after the grace period ends them.
 """
 
 import json
@@ -98,6 +102,11 @@ def _wait_for_checkpoint(client, flow_run_id, config) -> Path:
     return wait_for(lambda: latest_checkpoint(run_dir), 300, f"a checkpoint under {run_dir}", interval=0.2)
 
 
+def _pause(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+
+
 def _ranks(run_dir: Path) -> list[int]:
     """The pids of torchrun's agent and its 2 ranks, once they all run."""
     record = json.loads(wait_for(lambda: RunDir(run_dir).process_tree.is_file() and RunDir(run_dir).process_tree.read_text(),
@@ -122,8 +131,9 @@ def test_deployment_run_completes_with_all_five_stages(stack, client, tmp_path, 
 def test_after_a_crash_a_retry_with_a_changed_plan_is_refused_and_a_plain_retry_resumes(stack, client, slow_tiny):
     """Two retries of one crashed run (a training run is the expensive part of this suite)."""
     flow_run_id, _ = _start(stack, slow_tiny)
-    _wait_for_checkpoint(client, flow_run_id, slow_tiny)
     ranks = _ranks(_run_dir(client, flow_run_id, slow_tiny))
+    _wait_for_checkpoint(client, flow_run_id, slow_tiny)
+    _pause(ranks)
     os.kill(_flow_process(client, flow_run_id), signal.SIGTERM)
     _wait_state(client, flow_run_id, {"Crashed"})
     wait_for(lambda: not any(alive(p) for p in ranks), 30, "every torchrun process to be gone")
@@ -156,6 +166,7 @@ def test_after_a_crash_a_retry_with_a_changed_plan_is_refused_and_a_plain_retry_
 def test_cancel_stops_every_torchrun_process(stack, client, slow_tiny):
     flow_run_id, _ = _start(stack, slow_tiny)
     ranks = _ranks(_run_dir(client, flow_run_id, slow_tiny))
+    _pause(ranks)
     stack.prefect("flow-run", "cancel", flow_run_id)
     _wait_state(client, flow_run_id, {"Cancelled"}, timeout=120)
     wait_for(lambda: not any(alive(p) for p in ranks), 30, "every torchrun process to be gone")
@@ -164,8 +175,9 @@ def test_cancel_stops_every_torchrun_process(stack, client, slow_tiny):
 def test_a_run_stuck_in_running_is_recovered_by_one_command_then_retried(stack, client, slow_tiny):
     """The flow-run process and its worker both SIGKILLed: nobody tells the API."""
     flow_run_id, _ = _start(stack, slow_tiny)
-    _wait_for_checkpoint(client, flow_run_id, slow_tiny)
     ranks = _ranks(_run_dir(client, flow_run_id, slow_tiny))
+    _wait_for_checkpoint(client, flow_run_id, slow_tiny)
+    _pause(ranks)
     [(_, worker)] = [(n, p) for n, p in stack.procs if n == "worker"]
     flow_pid = _flow_process(client, flow_run_id)
     os.kill(worker.pid, signal.SIGKILL)

@@ -65,15 +65,15 @@ class Run:
 
     @classmethod
     def start(cls, config: Path, *, world: int, crash_on: str | None = None, crash_skip: int = 0,
-              overrides: tuple[str, ...] = ()) -> "Run":
+              crash_rank: int = 0, overrides: tuple[str, ...] = ()) -> "Run":
         """Launch: plain ``python`` for one rank, ``torchrun --standalone`` for more. ``crash_on``:
-        through crashpoint.py, armed on rank 0 (see that module)."""
+        through crashpoint.py, armed on rank ``crash_rank`` (see that module)."""
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CRASH_ON"):
             env.pop(var, None)
         entry = ["-m", "specforge_core.train"]
         if crash_on:
-            env.update(CRASH_ON=crash_on, CRASH_SKIP=str(crash_skip), CRASH_RANK="0")
+            env.update(CRASH_ON=crash_on, CRASH_SKIP=str(crash_skip), CRASH_RANK=str(crash_rank))
             entry = [str(CRASHPOINT), "specforge_core.train"]
         launcher = [sys.executable]
         if world > 1:
@@ -153,6 +153,19 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     import json
 
     return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / METRICS_FILE).read_text().splitlines())]
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (a run's launcher starts one): its ranks while any is left."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # a process that ended while we looked
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
 
 
 def alive(pid: int) -> bool:

@@ -3,8 +3,8 @@ for complete: the later run builds again (``built``), removes the killed build's
 gets exactly the files an uninterrupted build gives.
 
 The killed process is a real ``python -m specforge_core.prepare``; ``crashpoint.py`` SIGKILLs it just
-before the rename that would publish a build, or the test SIGKILLs it at a random moment of the
-prompt-cache build.
+before the rename that would publish a build, or before a seeded one of the prompt-cache build's
+chunk writes, so every kill lands at the same point of the build on any machine.
 """
 
 import os
@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,10 +27,10 @@ CRASHPOINT = Path(__file__).with_name("crashpoint.py")
 V = 512
 
 
-def prepare_process(config: Path, crash_on: str | None = None) -> subprocess.Popen:
+def prepare_process(config: Path, crash_on: str | None = None, crash_skip: int = 0) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if crash_on:
-        env["CRASH_ON"] = crash_on
+        env.update(CRASH_ON=crash_on, CRASH_SKIP=str(crash_skip))
     cmd = [sys.executable, str(CRASHPOINT), "specforge_core.prepare", "--config", str(config)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -90,25 +89,20 @@ def test_kill_between_the_vocab_sidecar_and_the_map_leaves_no_map_and_the_next_r
     assert vm.built and vm.path.read_bytes() == want_map and leftovers(vocab) == []
 
 
-def test_kill_at_a_random_moment_of_the_cache_build_never_leaves_a_partial_cache(
+def test_kill_before_a_seeded_chunk_write_of_the_cache_build_never_leaves_a_partial_cache(
         tmp_path, make_cfg, tiny_tokenizer, reference):
     data = write_jsonl(tmp_path / "big.jsonl", [CHAT[i % len(CHAT)] for i in range(4000)])
     cfg = make_cfg([data])
     want_files, want_map = reference([data])
     prompts = Path(cfg.data.cache_dir) / "prompts"
-    proc = prepare_process(write_config(tmp_path / "c.yaml", cfg))
-    deadline = time.monotonic() + 300
-    while not leftovers(prompts):  # the build has started writing
-        assert proc.poll() is None and time.monotonic() < deadline, "the build ended before it could be killed"
-        time.sleep(0.005)
-    time.sleep(random.Random(0).uniform(0.0, 0.2))
-    proc.send_signal(signal.SIGKILL)
-    assert killed(proc)
+    chunks_written = random.Random(0).randrange(1, 8)  # of the ~15 the train split takes
+    assert killed(prepare_process(write_config(tmp_path / "c.yaml", cfg),
+                                  crash_on="call:specforge_core.data.prompt_cache:_SplitWriter.flush",
+                                  crash_skip=chunks_written))
 
     key = prompt_cache_key(cfg, tiny_tokenizer)
-    if (prompts / key).exists():  # published before the kill landed: then it must be whole
-        assert ensure_prompt_cache(cfg, tiny_tokenizer).meta["files"] == want_files
+    assert not (prompts / key).exists() and len(leftovers(prompts)) == 1  # killed mid-build, nothing published
     again = ensure_prompt_cache(cfg, tiny_tokenizer)
     vm = ensure_vocab_map(cfg, again, V)
-    assert again.meta["files"] == want_files and vm.path.read_bytes() == want_map
+    assert again.built and again.meta["files"] == want_files and vm.path.read_bytes() == want_map
     assert leftovers(prompts) == []

@@ -1,13 +1,14 @@
-"""kill -9 of one rank at random moments of a 2-rank run, ten times over, then a re-run: the
+"""kill -9 of one rank at seeded points of a 2-rank run, ten times over, then a re-run: the
 final draft weights and every step's loss are bit-identical to an uninterrupted run, and no
 crash costs more than the steps since the last checkpoint.
 
     PYTHONPATH=. python -m pytest tests/reliability/test_fault_injection.py -q -s   # prints the table
 
 The run trains 32 optimizer steps with a checkpoint after each. Attempt ``seed`` (0…9) draws from
-``random.Random(seed)`` the rank to kill, whether to kill after the attempt's first or second step
-line, and a delay of 0–300 ms after that line, so kills land in a step's compute, in a checkpoint
-save, or in between. Each attempt resumes what the previous one left, so resume is also tested
+``random.Random(seed)`` the rank to kill and a point of the attempt where ``crashpoint.py`` kills
+it: before a micro-batch's forward (in a step's compute), before a file of a checkpoint is synced
+(in a save), or before rank 0 publishes a checkpoint, each after 1 to 3 earlier such points of the
+attempt. The points are calls in the code, so a kill lands at the same place on any machine. Each attempt resumes what the previous one left, so resume is also tested
 from resumed runs and after stale run locks (a SIGKILLed or torn-down rank 0 never releases its
 lock).
 """
@@ -16,7 +17,6 @@ import os
 import random
 import re
 import signal
-import time
 
 import pytest
 
@@ -28,10 +28,16 @@ from specforge_core.loop.checkpoint import (
     verify_files,
 )
 
-from .runs import Run, alive, final_weights, losses, run_config, run_to_end, same_weights
+from .runs import STEP, Run, final_weights, losses, run_config, run_to_end, same_weights, session_pids
 
 STEPS = 32
 KILLS = 10
+ACCUMULATION = 2  # run_config's micro-batches per optimizer step
+KILL_POINTS = {  # name: (crashpoint spec, calls per optimizer step or save on the killed rank)
+    "compute": ("call:specforge_core.loop.trainer:TrainStep.forward", ACCUMULATION),
+    "save": ("call:specforge_core.loop.checkpoint:fsync_file", 1),
+    "publish": ("rename:/checkpoints/step-", 1),
+}
 
 
 def verify_every_complete_checkpoint(run_dir) -> None:
@@ -54,31 +60,29 @@ def test_ten_kills_of_one_rank_then_a_rerun_end_bit_identical_to_an_uninterrupte
     rows = []
     for seed in range(KILLS):
         rng = random.Random(seed)
-        rank, extra_lines, delay = rng.randrange(2), rng.randrange(2), rng.uniform(0.0, 0.3)
-        run = Run.start(faulted, world=2)
-        seen = run.wait_step()
-        for _ in range(extra_lines):
-            seen = run.wait_step()
-        time.sleep(delay)
-        pids = run.rank_pids()
-        assert set(pids) == {0, 1}, f"rank processes not found: {pids}"
-        os.kill(pids[rank], signal.SIGKILL)
-        assert run.wait(120) != 0, "the launcher reported success after a rank was killed"
-        assert not any(alive(p) for p in pids.values()), "a rank outlived the killed one"
+        point = rng.choice(sorted(KILL_POINTS))
+        rank = 0 if point == "publish" else rng.randrange(2)  # only rank 0 publishes
+        spec, per_step = KILL_POINTS[point]
+        skip = rng.randrange(1, 4) * per_step
+        run = Run.start(faulted, world=2, crash_on=spec, crash_skip=skip, crash_rank=rank)
+        assert run.wait(300) != 0, "the launcher reported success after a rank was killed"
+        assert "SIGKILL" in run.output, f"the run did not end by the planned kill:\n{run.output[-3000:]}"
+        assert session_pids(run.proc.pid) == [], "a rank outlived the killed one"
         started = int(resumed.group(1)) if (resumed := re.search(r"at step (\d+)/", run.output)) else 0
+        seen = max((int(m.group(1)) for line in run.lines if (m := STEP.search(line))), default=started)
         ckpt = latest_checkpoint(run_dir)
         kept = int(ckpt.name.split("-")[1]) if ckpt else 0
         verify_every_complete_checkpoint(run_dir)
         torn = sorted(p.name for p in checkpoints_dir(run_dir).glob(".step-*.tmp"))
-        rows.append((seed, rank, started, seen, round(delay * 1000), kept, seen - kept, torn))
+        rows.append((seed, rank, point, skip, started, seen, kept, seen - kept, torn))
         assert seen - kept <= 1, f"a crash cost {seen - kept} checkpointed steps (save_interval is 1)"
         assert kept < STEPS, "the run finished before every kill landed; raise STEPS"
 
     out = run_to_end(faulted, world=2)
     assert f"resumed from {checkpoints_dir(run_dir)}" in out
-    print("\n| seed | killed rank | attempt started at step | last step line | delay ms | newest complete checkpoint "
-          "| steps to redo | torn save left |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| seed | killed rank | kill point | calls let through | attempt started at step | last step line "
+          "| newest complete checkpoint | steps to redo | torn save left |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(str(x) if x != [] else "—" for x in row) + " |")
     assert losses(run_dir) == losses(train_workdir / "straight")
