@@ -16,11 +16,14 @@ then a rename).
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
+from torch import nn
 
 from specforge_core.drafts.dflash.draft_config import (
     dflash2_of,
@@ -96,37 +99,54 @@ def check_serving_state(state: dict[str, torch.Tensor], config, where: str) -> N
         )
 
 
-def _write_pair(model: DFlashDraftModel, directory: Path, config_name: str, weights_name: str, dtype: str,
-                state_dict: dict[str, torch.Tensor] | None = None) -> None:
+class DraftFiles(NamedTuple):
+    """How a DFlash-family draft's config + weights pair is written and read: its model class, its
+    key check and its config dict codec (DSpark passes its own)."""
+
+    model_class: type
+    check_state: Callable[[dict, Any, str], None]
+    to_dict: Callable[[Any], dict]
+    from_dict: Callable[..., Any]
+
+
+DFLASH_FILES = DraftFiles(DFlashDraftModel, check_serving_state, dflash_config_to_dict, dflash_config_from_dict)
+
+
+def write_file_pair(model, directory: Path, config_name: str, weights_name: str, dtype: str,
+                    state_dict: dict[str, torch.Tensor] | None = None, files: "DraftFiles | None" = None) -> None:
     """Check and write the config + weights pair into ``directory`` (each file atomically)."""
+    files = files or DFLASH_FILES
     source = model.draft_state_dict() if state_dict is None else state_dict
     state = {}
     for key, tensor in source.items():
         if dtype != "keep" and tensor.is_floating_point():
             tensor = tensor.to(DTYPES[dtype])
         state[key] = tensor.detach().to("cpu").contiguous()
-    check_serving_state(state, model.config, where=str(directory / weights_name))
+    files.check_state(state, model.config, str(directory / weights_name))
     floats = {t.dtype for t in state.values()}
     if len(floats) != 1:
         raise ModelError(f"draft parameters mix dtypes {sorted(map(str, floats))}", where="draft model",
                          fix="cast all draft parameters to one dtype (cast_params) or export with --dtype")
-    config = dflash_config_to_dict(model.config)
+    config = files.to_dict(model.config)
     config["torch_dtype"] = config["dtype"] = str(floats.pop()).removeprefix("torch.")
     atomic_write_bytes(directory / weights_name, save(state, metadata={"format": "pt"}))
     atomic_write_json(directory / config_name, config, sort_keys=True)
 
 
-def _load_pair(directory: Path, config_name: str, weights_name: str, device) -> DFlashDraftModel:
+def load_file_pair(directory: Path, config_name: str, weights_name: str, device,
+                   files: "DraftFiles | None" = None) -> nn.Module:
+    """The draft written by :func:`write_file_pair`, checked against its config."""
+    files = files or DFLASH_FILES
     config_path, weights_path = directory / config_name, directory / weights_name
     for path in (config_path, weights_path):
         if not path.is_file():
             raise CheckpointError(f"missing {path.name}", where=str(directory),
                                   fix=f"expected {config_name} and {weights_name}")
-    config = dflash_config_from_dict(json.loads(config_path.read_text()), where=str(config_path))
+    config = files.from_dict(json.loads(config_path.read_text()), where=str(config_path))
     with safe_open(str(weights_path), framework="pt", device="cpu") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
-    check_serving_state(state, config, where=str(weights_path))
-    model = DFlashDraftModel(config).cast_params(next(iter(state.values())).dtype)
+    files.check_state(state, config, str(weights_path))
+    model = files.model_class(config).cast_params(next(iter(state.values())).dtype)
     model.load_state_dict(state, strict=True)
     return model.to(device)
 
@@ -148,14 +168,14 @@ def export_dflash(model: DFlashDraftModel, out_dir: str | Path, dtype: str = "ke
         raise CheckpointError("the export directory holds other files", where=str(out),
                               fix="choose an empty or new output directory")
     with staged_directory(out, replace=True) as stage:
-        _write_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype, state_dict)
+        write_file_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype, state_dict)
     return out
 
 
 def load_exported_dflash(directory: str | Path, device: str | torch.device = "cpu") -> DFlashDraftModel:
     """Rebuild a draft from an export (parameters in the file's dtype): with the same target
     embedding and head, its outputs are bit-identical to the exported model's."""
-    return _load_pair(Path(directory), EXPORT_CONFIG, EXPORT_WEIGHTS, device)
+    return load_file_pair(Path(directory), EXPORT_CONFIG, EXPORT_WEIGHTS, device)
 
 
 def save_dflash_checkpoint_files(model: DFlashDraftModel, directory: str | Path,
@@ -164,12 +184,12 @@ def save_dflash_checkpoint_files(model: DFlashDraftModel, directory: str | Path,
     as given: ``state_dict`` is the full state gathered from FSDP2 shards)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_pair(model, directory, CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, "keep", state_dict)
+    write_file_pair(model, directory, CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, "keep", state_dict)
 
 
 def load_dflash_from_files(directory: str | Path, device: str | torch.device = "cpu") -> DFlashDraftModel:
     """The draft of a checkpoint step directory (see ``save_dflash_checkpoint_files``)."""
-    return _load_pair(Path(directory), CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, device)
+    return load_file_pair(Path(directory), CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, device)
 
 
 def warm_start_dflash(directory: str | Path, config=None, device: str | torch.device = "cpu") -> DFlashDraftModel:

@@ -12,18 +12,17 @@ serving keys plus the heads' (``markov_head.markov_w1.weight`` ``[V, r]``, ``mar
 anything is written; directories are written atomically. vLLM's layout is ``speculators_format``.
 """
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save
 
-from specforge_core.drafts.dflash.serving import _WARM_START_FIELDS, DTYPES, EXPORT_CONFIG, EXPORT_WEIGHTS, serving_keys
+from specforge_core.drafts.dflash.serving import (
+    _WARM_START_FIELDS, DTYPES, EXPORT_CONFIG, EXPORT_WEIGHTS, DraftFiles, load_file_pair, serving_keys, write_file_pair,
+)
 from specforge_core.drafts.dspark.architecture import DSparkDraftModel
 from specforge_core.drafts.dspark.settings import dspark_config_from_dict, dspark_config_to_dict, dspark_fields
 from specforge_core.errors import CheckpointError, ModelError
-from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_directory
+from specforge_core.io import staged_directory
 from specforge_core.loop.checkpoint import DRAFT_CONFIG as CHECKPOINT_CONFIG
 from specforge_core.loop.checkpoint import DRAFT_WEIGHTS as CHECKPOINT_WEIGHTS
 
@@ -58,37 +57,7 @@ def check_dspark_state(state: dict[str, torch.Tensor], config, where: str) -> No
                          fix="write a draft built for this config (no renamed, prefixed or extra tensors)")
 
 
-def _write_pair(model, directory: Path, config_name: str, weights_name: str, dtype: str, state_dict=None) -> None:
-    source = model.draft_state_dict() if state_dict is None else state_dict
-    state = {}
-    for key, tensor in source.items():
-        if dtype != "keep" and tensor.is_floating_point():
-            tensor = tensor.to(DTYPES[dtype])
-        state[key] = tensor.detach().to("cpu").contiguous()
-    check_dspark_state(state, model.config, where=str(directory / weights_name))
-    floats = {t.dtype for t in state.values()}
-    if len(floats) != 1:
-        raise ModelError(f"draft parameters mix dtypes {sorted(map(str, floats))}", where="draft model",
-                         fix="cast all draft parameters to one dtype (cast_params) or export with --dtype")
-    config = dspark_config_to_dict(model.config)
-    config["torch_dtype"] = config["dtype"] = str(floats.pop()).removeprefix("torch.")
-    atomic_write_bytes(directory / weights_name, save(state, metadata={"format": "pt"}))
-    atomic_write_json(directory / config_name, config, sort_keys=True)
-
-
-def _load_pair(directory: Path, config_name: str, weights_name: str, device) -> DSparkDraftModel:
-    config_path, weights_path = directory / config_name, directory / weights_name
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise CheckpointError(f"missing {path.name}", where=str(directory),
-                                  fix=f"expected {config_name} and {weights_name}")
-    config = dspark_config_from_dict(json.loads(config_path.read_text()), where=str(config_path))
-    with safe_open(str(weights_path), framework="pt", device="cpu") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
-    check_dspark_state(state, config, where=str(weights_path))
-    model = DSparkDraftModel(config).cast_params(next(iter(state.values())).dtype)
-    model.load_state_dict(state, strict=True)
-    return model.to(device)
+DSPARK_FILES = DraftFiles(DSparkDraftModel, check_dspark_state, dspark_config_to_dict, dspark_config_from_dict)
 
 
 def export_dspark(model: DSparkDraftModel, out_dir: str | Path, dtype: str = "keep", state_dict=None) -> Path:
@@ -102,23 +71,23 @@ def export_dspark(model: DSparkDraftModel, out_dir: str | Path, dtype: str = "ke
         raise CheckpointError("the export directory holds other files", where=str(out),
                               fix="choose an empty or new output directory")
     with staged_directory(out, replace=True) as stage:
-        _write_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype, state_dict)
+        write_file_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype, state_dict, files=DSPARK_FILES)
     return out
 
 
 def load_exported_dspark(directory: str | Path, device="cpu") -> DSparkDraftModel:
-    return _load_pair(Path(directory), EXPORT_CONFIG, EXPORT_WEIGHTS, device)
+    return load_file_pair(Path(directory), EXPORT_CONFIG, EXPORT_WEIGHTS, device, files=DSPARK_FILES)
 
 
 def save_dspark_checkpoint_files(model: DSparkDraftModel, directory: str | Path, state_dict=None) -> None:
     """``draft_config.json`` + ``draft.safetensors`` of a checkpoint step directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_pair(model, directory, CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, "keep", state_dict)
+    write_file_pair(model, directory, CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, "keep", state_dict, files=DSPARK_FILES)
 
 
 def load_dspark_from_files(directory: str | Path, device="cpu") -> DSparkDraftModel:
-    return _load_pair(Path(directory), CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, device)
+    return load_file_pair(Path(directory), CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, device, files=DSPARK_FILES)
 
 
 def warm_start_dspark(directory: str | Path, config=None, device="cpu") -> DSparkDraftModel:
