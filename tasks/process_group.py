@@ -151,7 +151,8 @@ def stop_process_tree(token: str, *, grace_s: float = 15.0, leader: subprocess.P
     itself and they may flush a line), else to every member; whatever is left after ``grace_s``
     (a rank stuck in a collective, a rank whose launcher is gone) gets SIGKILL. torchrun starts
     each rank in a session of its own, so neither the flow-run's nor torchrun's process group
-    holds the ranks: the environment tag does.
+    holds the ranks: the environment tag does. Every member then gets SIGCONT, so one that is
+    stopped (SIGSTOP, a paused job) handles its SIGTERM at once instead of waiting out the grace.
     """
     members = tree_members(token)
     if not members:
@@ -163,6 +164,7 @@ def stop_process_tree(token: str, *, grace_s: float = 15.0, leader: subprocess.P
             _signal_all(members, signal.SIGTERM)
     else:
         _signal_all(members, signal.SIGTERM)
+    _signal_all(members, signal.SIGCONT)  # a stopped member (a paused job) handles its SIGTERM now
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if leader is not None:

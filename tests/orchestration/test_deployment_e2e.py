@@ -4,8 +4,8 @@
 way a user drives them: signals to the worker's flow-run process and the `prefect` CLI.
 
 Before a test signals a run it SIGSTOPs torchrun and its ranks, so the run is still training when
-the signal lands however fast the machine: a paused rank cannot finish. The shutdown's SIGTERM then
-waits on the paused processes, and its SIGKILL after the grace period ends them.
+the signal lands however fast the machine: a paused rank cannot finish. The shutdown sends SIGTERM
+and then SIGCONT, so the paused processes stop at once rather than after the grace period.
 """
 
 import json
@@ -97,14 +97,29 @@ def _flow_process(client, flow_run_id) -> int:
     return int(pid.rpartition(":")[2])
 
 
-def _wait_for_checkpoint(client, flow_run_id, config) -> Path:
-    run_dir = _run_dir(client, flow_run_id, config)
-    return wait_for(lambda: latest_checkpoint(run_dir), 300, f"a checkpoint under {run_dir}", interval=0.2)
-
-
-def _pause(pids: list[int]) -> None:
+def _pause(pids: list[int], sig: int = signal.SIGSTOP) -> None:
     for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, sig)
+
+
+def _pause_after_a_checkpoint(client, flow_run_id, config, ranks: list[int]) -> Path:
+    """Pause torchrun and its ranks at a moment when a checkpoint is on disk and training is not done.
+
+    Each poll pauses first and looks second, so what it sees cannot change behind it; a poll that
+    finds no checkpoint lets the run go on. The run returns paused."""
+    run_dir = _run_dir(client, flow_run_id, config)
+
+    def paused_with_checkpoint():
+        _pause(ranks)
+        if checkpoint := latest_checkpoint(run_dir):
+            return checkpoint
+        _pause(ranks, signal.SIGCONT)
+        return None
+
+    checkpoint = wait_for(paused_with_checkpoint, 300, f"a checkpoint under {run_dir}", interval=0.2)
+    step = int(checkpoint.name.rpartition("-")[2])
+    assert step < config["training"]["max_steps"], f"the run finished before it could be interrupted: {checkpoint}"
+    return checkpoint
 
 
 def _ranks(run_dir: Path) -> list[int]:
@@ -132,8 +147,7 @@ def test_after_a_crash_a_retry_with_a_changed_plan_is_refused_and_a_plain_retry_
     """Two retries of one crashed run (a training run is the expensive part of this suite)."""
     flow_run_id, _ = _start(stack, slow_tiny)
     ranks = _ranks(_run_dir(client, flow_run_id, slow_tiny))
-    _wait_for_checkpoint(client, flow_run_id, slow_tiny)
-    _pause(ranks)
+    _pause_after_a_checkpoint(client, flow_run_id, slow_tiny, ranks)
     os.kill(_flow_process(client, flow_run_id), signal.SIGTERM)
     _wait_state(client, flow_run_id, {"Crashed"})
     wait_for(lambda: not any(alive(p) for p in ranks), 30, "every torchrun process to be gone")
@@ -176,8 +190,7 @@ def test_a_run_stuck_in_running_is_recovered_by_one_command_then_retried(stack, 
     """The flow-run process and its worker both SIGKILLed: nobody tells the API."""
     flow_run_id, _ = _start(stack, slow_tiny)
     ranks = _ranks(_run_dir(client, flow_run_id, slow_tiny))
-    _wait_for_checkpoint(client, flow_run_id, slow_tiny)
-    _pause(ranks)
+    _pause_after_a_checkpoint(client, flow_run_id, slow_tiny, ranks)
     [(_, worker)] = [(n, p) for n, p in stack.procs if n == "worker"]
     flow_pid = _flow_process(client, flow_run_id)
     os.kill(worker.pid, signal.SIGKILL)

@@ -161,13 +161,28 @@ def test_sigkilled_flow_leaves_ranks_that_the_recorded_tree_kill_removes(prefect
 def test_ranks_that_ignore_sigterm_are_sigkilled_after_the_grace(tmp_path):
     pids_file = tmp_path / "pids.json"
     leader = subprocess.Popen(
-        [sys.executable, str(FAKE_LAUNCHER), "--steps", "1000", "--step-seconds", "0.1", "--stubborn",
+        [sys.executable, str(FAKE_LAUNCHER), "--steps", "0", "--step-seconds", "0.1", "--stubborn",
          "--pids", str(pids_file)], start_new_session=True, stdout=subprocess.DEVNULL,
         env={**os.environ, TREE_TOKEN_ENV: "stubborn-test"},
     )
     pids = wait_for(lambda: read_pids(pids_file), 30, "the launcher and its 2 ranks")
     assert stop_process_tree("stubborn-test", grace_s=1.0, leader=leader) == 3
     wait_for(lambda: not any(alive(p) for p in pids), 5, "the stubborn ranks to be gone")
+
+
+def test_a_paused_tree_handles_its_sigterm_instead_of_waiting_out_the_grace(tmp_path):
+    pids_file = tmp_path / "pids.json"
+    leader = subprocess.Popen(
+        [sys.executable, str(FAKE_LAUNCHER), "--steps", "0", "--pids", str(pids_file)],
+        start_new_session=True, stdout=subprocess.DEVNULL, env={**os.environ, TREE_TOKEN_ENV: "paused-test"},
+    )
+    pids = wait_for(lambda: read_pids(pids_file), 30, "the launcher and its 2 ranks")
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    assert stop_process_tree("paused-test", grace_s=600.0, leader=leader) == 3
+    # 143: the launcher's own SIGTERM handler ran; a SIGKILL after the grace would read -9
+    assert leader.wait(30) == 128 + signal.SIGTERM
+    wait_for(lambda: not any(alive(p) for p in pids), 30, "the paused ranks to be gone")
 
 
 def test_line_budget_allows_a_burst_then_counts_what_it_holds_back():
