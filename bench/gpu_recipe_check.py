@@ -153,8 +153,8 @@ def run(folder: Path, out: Path, device: str) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prepare", help="CPU side: build the check's inputs into this folder (inside the project to copy it "
-                    "to the GPU machine)")
+    ap.add_argument("--prepare", help="CPU side: build the check's inputs into this folder (inside the project, "
+                    "to copy it to the GPU machine)")
     ap.add_argument("--run", help="GPU side: the folder --prepare built")
     ap.add_argument("--compare", help="GPU side, after --run: the comparison again from the run's metrics")
     ap.add_argument("--recipe", default=str(ROOT / "examples" / "gpu" / "qwen3-8b-1gpu.yaml"),

@@ -42,7 +42,8 @@ def projected_peak_gib(capsys, targets, recipe, overrides=()) -> float:  # noqa:
 
 
 @pytest.mark.parametrize("recipe, overrides", CASES, ids=[r.stem + ("+dflash2" if o else "") for r, o in CASES])
-def test_the_projected_peak_at_the_bound_fits_the_gpu_the_header_names(recipe, overrides, targets, capsys):  # noqa: F811
+def test_the_projected_peak_at_the_bound_fits_the_gpu_the_header_names(recipe, overrides, targets,  # noqa: F811
+                                                                         capsys):
     gpu = named_gpu_gib(recipe)
     peak = projected_peak_gib(capsys, targets, recipe, overrides)
     assert peak <= HEADROOM * gpu, f"{recipe.name} {' '.join(overrides)}: {peak:.1f} GiB projected on a {gpu} GiB GPU"
