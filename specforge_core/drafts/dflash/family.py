@@ -32,6 +32,31 @@ def batch_generator(seed: int, task_ids) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
+MASK_BYTES_PER_ELEMENT = 10  # the bool mask and the int64 copy its tile sums make: 10.0 measured on a CPU
+
+
+def block_mask_bytes(cfg, *, num_anchors: int, block_size: int, tokens: int, samples: int) -> int:
+    """The transient of building the flex block mask of a micro-step of at most ``tokens`` tokens
+    in ``samples`` samples (``fast/flex_blocks.py``, the attention ``auto`` picks on CUDA): torch's
+    ``create_block_mask`` evaluates the predicate into a dense bool ``[rows, Q, T + Q]`` (Q block
+    queries and T context tokens of a row, both padded to flex's 128) and sums its tiles through
+    an int64 copy, 10 bytes an element. It grows with the square of the anchors in one row: packed
+    (``training.token_budget``), the worst row holds ``min(tokens, token_budget)`` tokens and every
+    sample's anchors, ``Q = min(samples × num_anchors, T) × block_size``; unpacked, each sample is
+    a row of ``tokens / samples`` tokens. At Qwen3-8B shape, 12 samples × 512 anchors × 16 in one
+    16k-token row, this is the end-to-end step's peak (docs/dflash.md, "Memory")."""
+    def tiles(n: int) -> int:
+        return -(-n // 128) * 128
+
+    if cfg.training.token_budget is None:
+        rows, width = samples, -(-tokens // samples)
+        queries = min(num_anchors, width) * block_size
+    else:
+        rows, width = 1, min(tokens, cfg.training.token_budget)
+        queries = min(samples * num_anchors, width) * block_size
+    return MASK_BYTES_PER_ELEMENT * rows * tiles(queries) * (tiles(width) + tiles(queries))
+
+
 def dflash2_run_fields(section) -> dict | None:
     """The DFlash2 fields of a run config's ``draft.dflash`` section (None when ``dflash2`` is off)."""
     if not section.dflash2:
@@ -126,7 +151,8 @@ class DFlashFamily:
         gradient (``fast.chunked_ce.target_cross_entropy``). DFlash2 adds per query four convolutions per
         layer (input, kernels and output: ``4·(2H + 2·K_conv·G)``) and the selector's fp32 scores and
         gathered codebook rows (``top_k · (3·rank + 2)``), plus one fp32 ``[2048, top_k, H]`` chunk
-        of candidate head rows."""
+        of candidate head rows. Building the attention's block mask comes first and is freed before
+        the forward: the larger of the two is the estimate (:func:`block_mask_bytes`)."""
         c = 2 if cfg.training.param_dtype == "bfloat16" else 4  # bytes per value of the compute dtype
         d = cfg.draft.dflash
         h, i, layers = draft_config.hidden_size, draft_config.intermediate_size, draft_config.num_hidden_layers
@@ -141,7 +167,8 @@ class DFlashFamily:
             conv = layers * 4 * (2 * h + 2 * extra["conv_kernel_size"] * groups) * c
             selector = top_k * (3 * extra["selector_rank"] + 2) * 4
             total += queries * (conv + selector) + 2048 * top_k * h * 4
-        return total
+        return max(total, block_mask_bytes(cfg, num_anchors=d.num_anchors, block_size=draft_config.block_size,
+                                           tokens=tokens, samples=samples))
 
     def contract_fields(self, cfg) -> dict:
         d = cfg.draft.dflash

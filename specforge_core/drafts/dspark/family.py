@@ -12,7 +12,7 @@ Everything not DSpark's own is DFlash's (``DFlashFamily``).
 
 from specforge_core.capture.target_info import text_config
 from specforge_core.drafts.dflash import draft_config as dflash_configs
-from specforge_core.drafts.dflash.family import DFlashFamily, batch_generator
+from specforge_core.drafts.dflash.family import DFlashFamily, batch_generator, block_mask_bytes
 from specforge_core.drafts.dspark import files, settings
 from specforge_core.drafts.dspark.architecture import DSparkDraftModel
 from specforge_core.drafts.dspark.objective import ObjectiveSettings, dspark_loss, summarize_dspark_metrics
@@ -76,15 +76,20 @@ class DSparkFamily(DFlashFamily):
         return () if given else ("draft.dspark.mask_token_id",)
 
     def activation_bytes(self, cfg, draft_config, *, tokens: int, samples: int) -> int:
-        """DFlash's estimate, with every block query also keeping its fp32 draft and teacher
-        logits, their softmaxes and the Markov bias (``5·V`` values: the objective holds full-vocab rows)."""
+        """DFlash's estimate, with every block query also holding full-vocabulary fp32 rows at
+        the loss's peak: its draft and teacher logits, their log-softmaxes, the teacher's
+        probabilities and the acceptance rate's softmaxes (``8·V`` values; 32 bytes per query
+        per vocabulary row measured on a CPU), or the block mask's transient if that is larger
+        (``block_mask_bytes``)."""
         d = cfg.draft.dspark
         queries = samples * min(d.num_anchors, -(-tokens // samples)) * draft_config.block_size
         c = 2 if cfg.training.param_dtype == "bfloat16" else 4
         h, i, layers = draft_config.hidden_size, draft_config.intermediate_size, draft_config.num_hidden_layers
         kv = draft_config.num_key_value_heads * draft_config.head_dim
-        per_query = (layers * (8 * h + 2 * kv + 3 * i) + 2 * h) * c + 5 * draft_config.vocab_size * 4
-        return queries * per_query + tokens * (2 * h + layers * 2 * kv) * c
+        per_query = (layers * (8 * h + 2 * kv + 3 * i) + 2 * h) * c + 8 * draft_config.vocab_size * 4
+        forward = queries * per_query + tokens * (2 * h + layers * 2 * kv) * c
+        return max(forward, block_mask_bytes(cfg, num_anchors=d.num_anchors, block_size=draft_config.block_size,
+                                             tokens=tokens, samples=samples))
 
     def contract_fields(self, cfg) -> dict:
         d = cfg.draft.dspark

@@ -421,7 +421,7 @@ def test_the_memory_estimate_counts_the_convolutions_and_the_selector():
 
     from specforge_core.drafts.dflash.family import FAMILY
 
-    cfg = SimpleNamespace(training=SimpleNamespace(param_dtype="bfloat16"),
+    cfg = SimpleNamespace(training=SimpleNamespace(param_dtype="bfloat16", token_budget=None),
                           draft=SimpleNamespace(dflash=SimpleNamespace(num_anchors=512)))
     plain = dflash_config_from_target(target_config(), block_size=4, target_layer_ids=[1, 3], mask_token_id=MASK)
     two = dflash_config_from_target(target_config(), block_size=4, target_layer_ids=[1, 3], mask_token_id=MASK,
