@@ -217,7 +217,7 @@ def run_ours(args, work: Path) -> dict:
 
     import torch
 
-    from specforge_core.capture.base import CapturedBatch
+    from specforge_core.capture.base import CapturedBatch, HostMasks
     from specforge_core.config import load_config
     from specforge_core.drafts import get_family
     from specforge_core.launch.builder import build_draft, build_objective
@@ -241,9 +241,10 @@ def run_ours(args, work: Path) -> dict:
     save_for_reference(cfg, family, draft, layer_ids, block, work)
     objective, _ = build_objective(cfg, fam, backend)
     root, optimizer = build_step(cfg, d, draft, objective, total_steps=1000, accumulation_steps=1)
-    batch = CapturedBatch(input_ids=x["ids"], attention_mask=torch.ones_like(x["ids"]), loss_mask=x["loss_mask"],
-                          aux_hidden=x["aux"], last_hidden=x["last"] if family in ("dspark", "eagle31") else None,
-                          task_ids=("bench-0",))
+    ones = torch.ones_like(x["ids"])
+    batch = CapturedBatch(input_ids=x["ids"], attention_mask=ones, loss_mask=x["loss_mask"], aux_hidden=x["aux"],
+                          last_hidden=x["last"] if family in ("dspark", "eagle31") else None, task_ids=("bench-0",),
+                          host_masks=HostMasks(ones.cpu(), x["loss_mask"].cpu()))  # as a capture keeps them
 
     def step(record: bool) -> dict | None:
         loss, sums = root(batch)
