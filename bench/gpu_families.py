@@ -501,9 +501,9 @@ def main(argv=None) -> int:
         row = compare(args, family)
         rows.append(row)
         print("RESULT " + json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "families.json").write_text(json.dumps(rows, indent=1))
+        if args.out:  # after every family: a run stopped by a time limit keeps the families it finished
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "families.json").write_text(json.dumps(rows, indent=1))
     return 0 if all("ours_over_reference" in r for r in rows) else 1
 
 
