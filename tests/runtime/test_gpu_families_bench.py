@@ -1,5 +1,8 @@
-"""bench/gpu_families.py's documented CPU smoke run: for every family both sides step, and their
-first-step losses agree, which is what makes the timed comparison one of the same computation.
+"""bench/gpu_families.py's documented CPU smoke run: both sides step, and their first-step losses
+agree, which is what makes the timed comparison one of the same computation. The suite runs it for
+DSpark, whose reference side exercises everything the bench shares between families; the other
+families' losses equal speculators' in their own parity tests (tests/drafts/), and
+``--families dflash2,dflash,eagle31`` runs them here by hand.
 
 The tolerance: on a CPU both sides compute in fp32 from the same weights, the same batch and the
 same anchors (the row's every candidate), so what is left is the order of fp32 sums (measured
@@ -14,11 +17,11 @@ import pytest
 from tests.bench_scripts import load_bench
 
 pytest.importorskip("speculators")
-# 2 processes per family, each importing torch, transformers and speculators: 15-25 s a family
+# 2 processes, each importing torch, transformers and speculators: 15-25 s
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("family", ["dspark", "dflash2", "dflash", "eagle31"])
+@pytest.mark.parametrize("family", ["dspark"])
 def test_both_sides_step_and_their_first_losses_agree(tmp_path, family):
     bench = load_bench("gpu_families")
     argv = ["--shape", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--families", family,
