@@ -133,7 +133,7 @@ def _ranks(run_dir: Path) -> list[int]:
 @pytest.fixture
 def slow_tiny(tmp_path, tiny_target_dir) -> dict:
     """The tiny profile with enough steps to be interrupted mid-training, checkpointing often."""
-    return tiny_config(tmp_path, tiny_target_dir, training={"max_steps": 60, "save_interval": 5})
+    return tiny_config(tmp_path, tiny_target_dir, training={"max_steps": 20, "save_interval": 2})
 
 
 def test_deployment_run_completes_with_all_five_stages(stack, client, tmp_path, tiny_target_dir):
