@@ -371,7 +371,7 @@ def call_kwargs(model, settings: dict, family: str, cpu: bool) -> dict:
 def run_reference(args, work: Path) -> dict:
     import torch
 
-    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     settings = json.loads((work / "settings.json").read_text())
@@ -380,7 +380,7 @@ def run_reference(args, work: Path) -> dict:
     block = 1 if family == "eagle31" else settings["block_size"]
     x = captured(args.shape, args.seq_len, len(settings["layer_ids"]), block, device, args.seed)
     model = reference_model(args, settings, device)
-    state = torch.load(work / "draft.pt")
+    state = torch.load(work / "draft.pt", weights_only=True)
     head = x["head"].float().cpu()
     if family == "eagle31":
         used = torch.arange(state["d2t"].numel()) + state["d2t"]
