@@ -152,13 +152,14 @@ def load_file_pair(directory: Path, config_name: str, weights_name: str, device,
 
 
 def export_dflash(model: DFlashDraftModel, out_dir: str | Path, dtype: str = "keep",
-                  state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+                  state_dict: dict[str, torch.Tensor] | None = None, files: DraftFiles | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` atomically; return it.
 
     ``dtype``: ``keep`` or one of ``DTYPES``. ``state_dict``: the full (unsharded) state to write
     instead of ``model``'s, e.g. gathered from FSDP2 shards. ``out_dir`` must be absent, empty or
     a previous export (replaced). Raises ModelError before writing if the weights are not
-    exactly the serving key set, CheckpointError if ``out_dir`` holds other files.
+    exactly the serving key set, CheckpointError if ``out_dir`` holds other files. ``files``: the
+    family's file set for a draft built on DFlash's (DSpark's), DFlash's by default.
     """
     if dtype != "keep" and dtype not in DTYPES:
         raise ModelError(f"unknown export dtype {dtype!r}", where="--dtype",
@@ -168,28 +169,31 @@ def export_dflash(model: DFlashDraftModel, out_dir: str | Path, dtype: str = "ke
         raise CheckpointError("the export directory holds other files", where=str(out),
                               fix="choose an empty or new output directory")
     with staged_directory(out, replace=True) as stage:
-        write_file_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype, state_dict)
+        write_file_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype, state_dict, files=files)
     return out
 
 
-def load_exported_dflash(directory: str | Path, device: str | torch.device = "cpu") -> DFlashDraftModel:
+def load_exported_dflash(directory: str | Path, device: str | torch.device = "cpu",
+                         files: DraftFiles | None = None) -> DFlashDraftModel:
     """Rebuild a draft from an export (parameters in the file's dtype): with the same target
     embedding and head, its outputs are bit-identical to the exported model's."""
-    return load_file_pair(Path(directory), EXPORT_CONFIG, EXPORT_WEIGHTS, device)
+    return load_file_pair(Path(directory), EXPORT_CONFIG, EXPORT_WEIGHTS, device, files=files)
 
 
 def save_dflash_checkpoint_files(model: DFlashDraftModel, directory: str | Path,
-                                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+                                 state_dict: dict[str, torch.Tensor] | None = None,
+                                 files: DraftFiles | None = None) -> None:
     """``draft_config.json`` + ``draft.safetensors`` of a checkpoint step directory (fp32 masters
     as given: ``state_dict`` is the full state gathered from FSDP2 shards)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    write_file_pair(model, directory, CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, "keep", state_dict)
+    write_file_pair(model, directory, CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, "keep", state_dict, files=files)
 
 
-def load_dflash_from_files(directory: str | Path, device: str | torch.device = "cpu") -> DFlashDraftModel:
+def load_dflash_from_files(directory: str | Path, device: str | torch.device = "cpu",
+                           files: DraftFiles | None = None) -> DFlashDraftModel:
     """The draft of a checkpoint step directory (see ``save_dflash_checkpoint_files``)."""
-    return load_file_pair(Path(directory), CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, device)
+    return load_file_pair(Path(directory), CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, device, files=files)
 
 
 def warm_start_dflash(directory: str | Path, config=None, device: str | torch.device = "cpu") -> DFlashDraftModel:

@@ -17,14 +17,12 @@ from pathlib import Path
 import torch
 
 from specforge_core.drafts.dflash.serving import (
-    _WARM_START_FIELDS, DTYPES, EXPORT_CONFIG, EXPORT_WEIGHTS, DraftFiles, load_file_pair, serving_keys, write_file_pair,
+    _WARM_START_FIELDS, DraftFiles, export_dflash, load_dflash_from_files, load_exported_dflash,
+    save_dflash_checkpoint_files, serving_keys,
 )
 from specforge_core.drafts.dspark.architecture import DSparkDraftModel
 from specforge_core.drafts.dspark.settings import dspark_config_from_dict, dspark_config_to_dict, dspark_fields
-from specforge_core.errors import CheckpointError, ModelError
-from specforge_core.io import staged_directory
-from specforge_core.loop.checkpoint import DRAFT_CONFIG as CHECKPOINT_CONFIG
-from specforge_core.loop.checkpoint import DRAFT_WEIGHTS as CHECKPOINT_WEIGHTS
+from specforge_core.errors import ModelError
 
 
 def dspark_keys(config) -> dict[str, tuple[int, ...]]:
@@ -63,31 +61,20 @@ DSPARK_FILES = DraftFiles(DSparkDraftModel, check_dspark_state, dspark_config_to
 def export_dspark(model: DSparkDraftModel, out_dir: str | Path, dtype: str = "keep", state_dict=None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` atomically; return it
     (``dtype``: ``keep`` or one of ``DTYPES``; ``state_dict``: e.g. gathered from FSDP2 shards)."""
-    if dtype != "keep" and dtype not in DTYPES:
-        raise ModelError(f"unknown export dtype {dtype!r}", where="--dtype",
-                         fix=f"use keep or one of {', '.join(DTYPES)}")
-    out = Path(out_dir)
-    if out.exists() and not (out.is_dir() and {p.name for p in out.iterdir()} <= {EXPORT_CONFIG, EXPORT_WEIGHTS}):
-        raise CheckpointError("the export directory holds other files", where=str(out),
-                              fix="choose an empty or new output directory")
-    with staged_directory(out, replace=True) as stage:
-        write_file_pair(model, stage, EXPORT_CONFIG, EXPORT_WEIGHTS, dtype, state_dict, files=DSPARK_FILES)
-    return out
+    return export_dflash(model, out_dir, dtype, state_dict, files=DSPARK_FILES)
 
 
 def load_exported_dspark(directory: str | Path, device="cpu") -> DSparkDraftModel:
-    return load_file_pair(Path(directory), EXPORT_CONFIG, EXPORT_WEIGHTS, device, files=DSPARK_FILES)
+    return load_exported_dflash(directory, device, files=DSPARK_FILES)
 
 
 def save_dspark_checkpoint_files(model: DSparkDraftModel, directory: str | Path, state_dict=None) -> None:
     """``draft_config.json`` + ``draft.safetensors`` of a checkpoint step directory."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    write_file_pair(model, directory, CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, "keep", state_dict, files=DSPARK_FILES)
+    save_dflash_checkpoint_files(model, directory, state_dict, files=DSPARK_FILES)
 
 
 def load_dspark_from_files(directory: str | Path, device="cpu") -> DSparkDraftModel:
-    return load_file_pair(Path(directory), CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS, device, files=DSPARK_FILES)
+    return load_dflash_from_files(directory, device, files=DSPARK_FILES)
 
 
 def warm_start_dspark(directory: str | Path, config=None, device="cpu") -> DSparkDraftModel:
