@@ -427,7 +427,7 @@ def time_teacher_given(args, loop, backend, batch, key: str, b: int, t: int) -> 
     better of per step and back to back; ``draft_vs_peer_same_inputs_*`` in ``main``)."""
     import dataclasses
 
-    from specforge_core.drafts.eagle3.teacher import compute_teacher
+    from specforge_core.drafts.vocab.teacher import compute_teacher
 
     made = compute_teacher(batch.last_hidden.flatten(0, 1), backend.lm_head_weight, loop.draft.t2d)
     given = dataclasses.replace(batch, teacher=made)

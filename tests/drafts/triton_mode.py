@@ -8,7 +8,7 @@ interpreter (tests/conftest.py turns it on where there is no CUDA device).
 import pytest
 import torch
 
-from specforge_core.drafts.eagle3 import vocab_kernels
+from specforge_core.drafts.vocab import kernels as vocab_kernels
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

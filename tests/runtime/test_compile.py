@@ -79,8 +79,8 @@ def test_regions_compile_their_row_counts_symbolic_and_a_weight_given_as_input_c
 
 def test_two_objectives_of_one_process_compile_or_not_each_as_its_config_says(tiny_target_dir, monkeypatch):
     from specforge_core.drafts import get_family
-    from specforge_core.drafts.eagle3 import attention, rows, teacher
-    from specforge_core.drafts.eagle3.fast import soft_target_ce
+    from specforge_core.drafts.eagle3 import attention, rows
+    from specforge_core.drafts.vocab import soft_target_ce, teacher
     from specforge_core.launch.builder import build_draft, build_objective
     from tests.drafts.eagle3.fixtures import hf_backend, random_batch, random_vocab_map
 

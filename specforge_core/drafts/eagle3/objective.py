@@ -21,8 +21,8 @@
   ``loss = Σ_k decay^k L_k``. Gradients flow through the carried hidden across all steps.
 
 The speed machinery lives beside this module, each piece tested equal to the plain torch it
-replaces: ``fast/unroll_plan.py`` (which rows each step computes), ``fast/soft_target_ce.py``
-(the soft CE, overlap and argmax; Triton kernels in ``vocab_kernels.py``), ``rows.py`` (row
+replaces: ``fast/unroll_plan.py`` (which rows each step computes), ``drafts/vocab/soft_target_ce.py``
+(the soft CE, overlap and argmax; Triton kernels in ``drafts/vocab/kernels.py``), ``rows.py`` (row
 subsets with gathered gradients), ``attention.py`` and ``flash.py`` (the TTT attention).
 """
 
@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from specforge_core.drafts.eagle3.attention import TTTAttention
-from specforge_core.drafts.eagle3.fast.soft_target_ce import soft_target_terms
 from specforge_core.drafts.eagle3.fast.unroll_plan import UnrollPlan
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
-from specforge_core.drafts.eagle3.teacher import compute_teacher
+from specforge_core.drafts.vocab.soft_target_ce import soft_target_terms
+from specforge_core.drafts.vocab.teacher import compute_teacher
 from specforge_core.errors import ModelError
 
 REQUIRED_FIELDS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "last_hidden")

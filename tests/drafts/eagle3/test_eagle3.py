@@ -220,7 +220,7 @@ def test_smollm2_draft_trains_on_real_hidden_states_and_its_teacher_is_the_targe
     from transformers import AutoTokenizer
 
     from specforge_core.drafts.eagle3 import eagle3_loss, summarize_metrics
-    from specforge_core.drafts.eagle3.teacher import compute_teacher
+    from specforge_core.drafts.vocab.teacher import compute_teacher
 
     target = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(smollm2_dir)

@@ -5,8 +5,8 @@ their logsumexp as on CUDA) give the soft cross-entropy's gradient."""
 import pytest
 import torch
 
-from specforge_core.drafts.eagle3.fast import soft_target_ce
-from specforge_core.drafts.eagle3.fast.soft_target_ce import soft_target_terms
+from specforge_core.drafts.vocab import soft_target_ce
+from specforge_core.drafts.vocab.soft_target_ce import soft_target_terms
 
 
 def terms_inputs(dtype, seed=0, n=9, vd=37, nt=13):

@@ -1,5 +1,5 @@
-"""drafts/eagle3/vocab_kernels.py: the Triton kernels equal the torch passes they replace
-(fast/soft_target_ce.py's, the teacher's).
+"""drafts/vocab/kernels.py: the Triton kernels equal the torch passes they replace
+(soft_target_ce.py's, the teacher's).
 
 Runs on CUDA, or on the CPU under Triton's interpreter (tests/drafts/triton_mode.py); skipped
 otherwise, saying why (a CPU-only torch has no Triton)."""
@@ -7,8 +7,9 @@ otherwise, saying why (a CPU-only torch has no Triton)."""
 import pytest
 import torch
 
-from specforge_core.drafts.eagle3 import teacher, vocab_kernels
-from specforge_core.drafts.eagle3.fast import soft_target_ce
+from specforge_core.drafts.vocab import kernels as vocab_kernels
+from specforge_core.drafts.vocab import teacher
+from specforge_core.drafts.vocab import soft_target_ce
 from tests.drafts.triton_mode import TRITON_DEVICE as DEVICE, needs_triton
 
 pytestmark = needs_triton

@@ -17,15 +17,15 @@ and its backward, picked in one place (:func:`implementation_for`):
   and the backward, which gets the fp32 softmax saved; rows go in blocks of about
   ``EAGER_BLOCK`` values, so each temporary stays small (eager code is memory bound).
 
-All three give the plain function's values and gradient (tests/drafts/eagle3/fast/test_soft_target_ce.py).
+All three give the plain function's values and gradient (tests/drafts/vocab/test_soft_target_ce.py).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from specforge_core.drafts.eagle3 import vocab_kernels
-from specforge_core.drafts.eagle3.teacher import softmax_from_lse
+from specforge_core.drafts.vocab import kernels as vocab_kernels
+from specforge_core.drafts.vocab.teacher import softmax_from_lse
 from specforge_core.system.compile import fused
 
 EAGER_BLOCK = 1 << 22  # values per block of rows in SavedSoftmaxSoftCE: 16 MB per fp32 temporary

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specforge_core.drafts.eagle3 import vocab_kernels
+from specforge_core.drafts.vocab import kernels as vocab_kernels
 from specforge_core.system.compile import fused
 
 CPU_VOCAB_CHUNK = 4096

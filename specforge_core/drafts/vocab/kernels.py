@@ -1,4 +1,4 @@
-"""The EAGLE3 objective's passes over vocabulary-wide rows as Triton kernels (CUDA).
+"""The soft-target losses' passes over vocabulary-wide rows as Triton kernels (CUDA).
 
     if vocab_kernels.usable(logits, teacher_logits):
         loss, overlap, argmax, lse, target_sum = vocab_kernels.soft_ce_forward(
@@ -11,13 +11,13 @@ They compute what the soft CE's and the teacher's torch functions compute (the c
 where Triton is missing), one program per row, with a running max, its first index and a
 rescaled sum of exponentials, so a row's logsumexp and argmax come from one read of it:
 
-- :func:`soft_ce_forward` (``fast.soft_target_ce.soft_ce_rows``): per row of the unroll's draft
+- :func:`soft_ce_forward` (``soft_target_ce.soft_ce_rows``): per row of the draft
   logits and its teacher row gathered by ``label``, in the first pass the logsumexp, the argmax,
   ``Σ target·logit`` and ``Σ target`` (the soft CE is ``lse·Σ target − Σ target·logit``); in a
   second pass, only for rows with a weight (the others' loss and overlap are zeros, unread), the
   overlap ``Σ min(exp(logit − lse), target·mass)``, which needs the logsumexp first and re-reads
   the row while it is still in L2.
-- :func:`soft_ce_backward` (``fast.soft_target_ce.soft_ce_grad``): ``coef·(exp(logit − lse)·Σ target − target)``
+- :func:`soft_ce_backward` (``soft_target_ce.soft_ce_grad``): ``coef·(exp(logit − lse)·Σ target − target)``
   in the logits' dtype; zeros, without reading anything, for rows whose ``coef`` is zero.
 - :func:`chunk_stats` (``teacher._chunk_stats``): per row of one vocabulary chunk of the target
   head's logits, its max, first argmax and logsumexp, then its draft columns written straight
@@ -27,7 +27,7 @@ Inductor's kernels for the same passes read each row two or three times; these r
 
 Triton comes with torch's CUDA wheels; without it (a CPU-only install) :func:`usable` is false.
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors
-(tests/drafts/eagle3/test_vocab_kernels.py, tests/drafts/eagle3/fast/test_soft_target_ce.py).
+(tests/drafts/vocab/test_kernels.py, tests/drafts/vocab/test_soft_target_ce.py).
 """
 
 import torch

@@ -1,12 +1,12 @@
-"""fast/soft_target_ce.py: each implementation of the soft-target terms equals the plain function
+"""drafts/vocab/soft_target_ce.py: each implementation of the soft-target terms equals the plain function
 (autograd of the formula), forward and gradient, run through the autograd Function the
 objective uses; the Triton one on CUDA or under Triton's interpreter (tests/drafts/triton_mode.py)."""
 
 import pytest
 import torch
 
-from specforge_core.drafts.eagle3.fast import soft_target_ce
-from specforge_core.drafts.eagle3.fast.soft_target_ce import (
+from specforge_core.drafts.vocab import soft_target_ce
+from specforge_core.drafts.vocab.soft_target_ce import (
     RecomputeSoftCE,
     SavedSoftmaxSoftCE,
     SoftTargetTerms,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specforge_core.drafts.eagle3 import eagle3_loss
-from specforge_core.drafts.eagle3.teacher import compute_teacher
+from specforge_core.drafts.vocab.teacher import compute_teacher
 from specforge_core.errors import ModelError
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
 
