@@ -21,7 +21,8 @@ the other, each a subprocess of this script so that memory and compile caches do
   ``clip_grad_norm_(…, 1.0)``, ``torch.optim.AdamW``. At its best = its own defaults on CUDA,
   which are its fastest documented settings: ``simple_flex_attention`` (block masks built by a
   compiled ``create_block_mask``), its Triton ``fused`` losses, and its ``forward`` under
-  ``torch.compile`` (``conditional_torch_compile``). On a CPU: eager attention and eager losses
+  ``torch.compile`` (``conditional_torch_compile``), the fused loss called outside the compiled
+  graph (on torch 2.11 dynamo fails to trace it: ``keep_fused_losses_out_of_the_compiled_forward``). On a CPU: eager attention and eager losses
   (the only ones it has there), no compile.
 
 Inputs: one packed row of ``--seq-len`` tokens (speculators trains on ``[1, T]`` rows), random
@@ -66,7 +67,9 @@ over Σ mask; DFlash2's unary and selector terms are shown apart. The first-step
 (``first_loss_rel_diff``; ``tests/runtime/test_gpu_families_bench.py`` holds it to 1e-5 on a
 CPU, in fp32) is what shows both sides step the same computation. Every family prints
 ``RESULT {json}`` (with ``ours_over_reference``, ours tokens/s over the reference's) and
-``--out DIR`` writes ``DIR/families.json``; the exit status is 1 when a side failed.
+``--out DIR`` writes ``DIR/families.json``; the exit status is 1 when a side failed. A side
+that runs out of ``--side-timeout`` reports the tail of its progress lines (one per warmup step).
+``BENCH_PROFILE=FILE`` with ``--side`` writes the timed steps' profiler table (CUDA time) to FILE.
 """
 
 import argparse
@@ -149,13 +152,20 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     first = None
-    for _ in range(warmup):
+    for i in range(warmup):
         loss = step(first is None)
         first = first or loss
+        print(f"warmup step {i + 1}/{warmup} done at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if cuda:
         torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
     times = []
+    profile = os.environ.get("BENCH_PROFILE")  # a path: the timed steps' CUDA-time table goes there
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as profiler
+
+        tracing = profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        tracing.__enter__()
     for _ in range(steps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -169,6 +179,11 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
             loss = step(first is None)
             times.append(time.perf_counter() - t)
         first = first or loss
+    if profile:
+        tracing.__exit__(None, None, None)
+        table = tracing.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                             row_limit=40, max_name_column_width=90)
+        Path(profile).write_text(table)
     return dict(first_loss=first, step_s=statistics.median(times), warmup_s=warm_s,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device_name=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
@@ -368,12 +383,26 @@ def call_kwargs(model, settings: dict, family: str, cpu: bool) -> dict:
     return type(model).get_trainer_kwargs(**kw)[0]
 
 
+def keep_fused_losses_out_of_the_compiled_forward() -> None:
+    """On torch 2.11 speculators' compiled ``forward`` fails while dynamo traces its fused Triton
+    loss (``AssertionError: ListVariable(length=21) is already tracked for mutation`` from the
+    forward and backward kernels' shared ``configs`` list). The kernels are hand-written Triton
+    and gain nothing from being traced: run them as they are, with one graph break around the
+    loss, and keep the compiled forward and flex attention it defaults to."""
+    import torch
+    from speculators.losses import utils
+
+    fetch = utils._fused_kernel
+    utils._fused_kernel = lambda name: torch.compiler.disable(fetch(name), recursive=True)
+
+
 def run_reference(args, work: Path) -> dict:
     import torch
 
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        keep_fused_losses_out_of_the_compiled_forward()
     settings = json.loads((work / "settings.json").read_text())
     target_config(args.shape).save_pretrained(work / "target")  # the verifier speculators' config names
     family, cpu = args.family, device.type == "cpu"
@@ -441,8 +470,9 @@ def run_side(args, family: str, side: str, work: Path) -> dict:
     t = time.perf_counter()
     try:
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.side_timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within --side-timeout {args.side_timeout} s"}
+    except subprocess.TimeoutExpired as stopped:  # its progress lines say where the time went
+        err = stopped.stderr.decode(errors="replace") if isinstance(stopped.stderr, bytes) else stopped.stderr or ""
+        return {"error": f"no result within --side-timeout {args.side_timeout} s", "stderr_tail": err[-3000:]}
     if done.returncode != 0:
         return {"error": f"exit {done.returncode}: " + done.stderr[-3000:]}
     result = json.loads((work / f"{side}.json").read_text()) | {"process_s": round(time.perf_counter() - t, 1)}

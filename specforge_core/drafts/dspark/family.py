@@ -76,17 +76,20 @@ class DSparkFamily(DFlashFamily):
         return () if given else ("draft.dspark.mask_token_id",)
 
     def activation_bytes(self, cfg, draft_config, *, tokens: int, samples: int) -> int:
-        """DFlash's estimate, with every block query also holding full-vocabulary fp32 rows at
-        the loss's peak: its draft and teacher logits, their log-softmaxes, the teacher's
-        probabilities and the acceptance rate's softmaxes (``8·V`` values; 32 bytes per query
-        per vocabulary row measured on a CPU), or the block mask's transient if that is larger
-        (``block_mask_bytes``)."""
+        """DFlash's estimate, with every block query also holding full-vocabulary rows at the
+        loss's peak, or the block mask's transient if that is larger (``block_mask_bytes``). With
+        the default ``kl_div`` alone the loss runs fused on CUDA (``objective.slot_terms``): the
+        draft logits, the teacher's and the Markov bias or the logits' gradient, in the compute
+        dtype (``4·V`` values a query, one spare). Any other term reads fp32 copies: the draft and
+        teacher logits, their log-softmaxes, the teacher's probabilities and the rate's softmaxes
+        (``8·V`` fp32 values; 32 bytes per query per vocabulary row measured on a CPU)."""
         d = cfg.draft.dspark
         queries = samples * min(d.num_anchors, -(-tokens // samples)) * draft_config.block_size
         c = 2 if cfg.training.param_dtype == "bfloat16" else 4
         h, i, layers = draft_config.hidden_size, draft_config.intermediate_size, draft_config.num_hidden_layers
         kv = draft_config.num_key_value_heads * draft_config.head_dim
-        per_query = (layers * (8 * h + 2 * kv + 3 * i) + 2 * h) * c + 8 * draft_config.vocab_size * 4
+        vocab_bytes = 4 * c if set(d.loss_terms) == {"kl_div"} else 8 * 4
+        per_query = (layers * (8 * h + 2 * kv + 3 * i) + 2 * h) * c + vocab_bytes * draft_config.vocab_size
         forward = queries * per_query + tokens * (2 * h + layers * 2 * kv) * c
         return max(forward, block_mask_bytes(cfg, num_anchors=d.num_anchors, block_size=draft_config.block_size,
                                              tokens=tokens, samples=samples))

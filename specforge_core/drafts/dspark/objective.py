@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from specforge_core.drafts.dflash.inputs import check_batch
 from specforge_core.drafts.dflash.inputs import field as batch_field
 from specforge_core.drafts.dflash.objective import DFlashBlocks, attend_blocks, build_blocks
+from specforge_core.drafts.vocab.soft_target_ce import soft_target_terms
+from specforge_core.drafts.vocab.teacher import compute_teacher, softmax_from_lse
 from specforge_core.errors import ConfigError, ModelError
 
 LOSS_TERMS = ("kl_div", "tv", "ce")
@@ -104,15 +106,19 @@ class Slots:
 
     blocks: DFlashBlocks  # the anchors and their layout (``build_blocks``)
     start: int  # s: the first drafting slot (0 with sample_from_anchor, else 1)
-    logits: torch.Tensor  # [n, B, V] fp32 draft logits, Markov bias included (with grad)
-    teacher: torch.Tensor  # [n, B, V] fp32 target logits of the token each slot predicts
+    logits: torch.Tensor  # [n, B, V] draft logits in the head's dtype, Markov bias included (with grad)
+    teacher: torch.Tensor  # [n, B, V] target logits (head's dtype) of the token each slot predicts
+    teacher_lse: torch.Tensor  # [n, B] fp32 logsumexp of ``teacher``
+    teacher_argmax: torch.Tensor  # [n, B] the target's greedy token
     mask: torch.Tensor  # [n, B] float m
     confidence: torch.Tensor | None  # [n, B] fp32 confidence logits (with grad)
 
 
 def draft_slots(draft, batch, *, embed_weight, lm_head_weight, num_anchors: int,
-                generator: torch.Generator | None, backend: str = "auto") -> Slots:
-    """Anchor blocks, one draft forward and the teacher of every slot (module docstring)."""
+                generator: torch.Generator | None, backend: str = "auto", compile: bool = False) -> Slots:
+    """Anchor blocks, one draft forward and the teacher of every slot (module docstring).
+    Logits stay in the head's dtype (the Markov bias added in the head's matmul) and the teacher
+    is made in vocabulary chunks (``compute_teacher``): no fp32 ``[n, B, V]`` copy of either."""
     check_batch(batch, draft, embed_weight, lm_head_weight)
     last = batch_field(batch, "last_hidden")
     if last is None:
@@ -135,28 +141,59 @@ def draft_slots(draft, batch, *, embed_weight, lm_head_weight, num_anchors: int,
     out = draft(embeds, layout.positions, attend, prev_token_ids=prev_ids, target_hidden=aux,
                 context_positions=layout.ctx_pos)
     W = lm_head_weight.detach()
-    logits = (out.hidden[:, : nb * size].to(W.dtype) @ W.T).float()
-    if out.markov_bias is not None:
-        logits = logits + out.markov_bias[:, : nb * size].float()
+    hidden = out.hidden[:, : nb * size].to(W.dtype).flatten(0, 1)
+    if out.markov_bias is None:
+        logits = hidden @ W.T
+    else:
+        logits = torch.addmm(out.markov_bias[:, : nb * size].to(W.dtype).flatten(0, 1), hidden, W.T)
     with torch.no_grad():
         rows = last.gather(1, teacher_col.flatten(1)[..., None].expand(-1, -1, last.shape[-1]))
-        teacher = (rows.to(W.dtype) @ W.T).float()
+        every = torch.ones(W.shape[0], dtype=torch.bool, device=W.device)
+        teacher = compute_teacher(rows.flatten(0, 1), W, every, compile=compile)
     conf = out.confidence_logits
-    return Slots(blocks, s, logits.view(b * nb, size, -1), teacher.view(b * nb, size, -1),
-                 mask.float().view(-1, size), None if conf is None else conf[:, : nb * size].float().reshape(-1, size))
+    return Slots(blocks, s, logits.view(b * nb, size, -1), teacher.logits.view(b * nb, size, -1),
+                 teacher.lse.view(-1, size), teacher.argmax.view(-1, size), mask.float().view(-1, size),
+                 None if conf is None else conf[:, : nb * size].float().reshape(-1, size))
 
 
-def slot_terms(slots: Slots, settings: ObjectiveSettings) -> dict[str, torch.Tensor]:
-    """Per slot ``[n, B]``: ``<term>`` = m·ℓ^term and ``<term>_weight`` its w, ``rate`` r
-    (no grad), ``bce`` and ``bce_weight`` with a confidence head."""
-    m, s, size = slots.mask, slots.start, slots.mask.shape[-1]
-    q, p = slots.logits.flatten(0, 1), slots.teacher.flatten(0, 1)
-    out = {}
-    for name in settings.loss_terms:
-        out[name] = slot_losses(name, q, p).view(-1, size) * m
-        out[f"{name}_weight"] = position_weights(settings, m, s, out[name])
+def teacher_entropy(teacher: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``H(p) = lse - Σ_v p_v t_v`` per row of ``teacher [N, V]`` given its fp32 logsumexp (no
+    gradient; rows in blocks, so the fp32 temporaries stay small)."""
+    rows = max(1, (1 << (26 if teacher.is_cuda else 22)) // teacher.shape[-1])
+    out = torch.empty_like(lse)
     with torch.no_grad():
-        out["rate"] = torch.minimum(q.softmax(-1), p.softmax(-1)).sum(-1).view(-1, size)
+        for r in range(0, teacher.shape[0], rows):
+            t = teacher[r : r + rows].float()
+            out[r : r + rows] = lse[r : r + rows] - (softmax_from_lse(t, lse[r : r + rows]) * t).sum(-1)
+    return out
+
+
+def slot_terms(slots: Slots, settings: ObjectiveSettings, *, fused: bool | None = None) -> dict[str, torch.Tensor]:
+    """Per slot ``[n, B]``: ``<term>`` = m·ℓ^term and ``<term>_weight`` its w, ``rate`` r and
+    ``pred`` the draft's greedy token (no grad), ``bce`` and ``bce_weight`` with a confidence head.
+
+    ``fused`` (default: on CUDA) reads ``kl_div`` as ``CE(p, q) - H(p)``: the soft cross-entropy,
+    the overlap r and the argmax from one pass over the logits (``soft_target_terms``, the EAGLE3
+    loss's fused kernels, whose backward recomputes q) instead of fp32 ``[n, B, V]`` copies. It
+    equals the plain form up to fp32 cancellation, ``ε·max|logit|`` per slot; off, every term is
+    :func:`slot_losses` on fp32 copies, exact where KL is small next to the logits."""
+    m, s, size = slots.mask, slots.start, slots.mask.shape[-1]
+    q, p, lse = slots.logits.flatten(0, 1), slots.teacher.flatten(0, 1), slots.teacher_lse.flatten()
+    fused = q.is_cuda if fused is None else fused
+    if fused:
+        rows = torch.arange(lse.numel(), device=lse.device)
+        ce, rate, pred = soft_target_terms(q, p, lse, rows, m.flatten(), torch.zeros_like(lse), compile=False)
+    else:
+        with torch.no_grad():
+            rate = torch.minimum(q.float().softmax(-1), p.float().softmax(-1)).sum(-1)
+            pred = q.argmax(-1)
+    out = {"rate": rate.view(-1, size), "pred": pred.view(-1, size)}
+    for name in settings.loss_terms:
+        if fused and name == "kl_div":
+            out[name] = ce.view(-1, size) - m * teacher_entropy(p, lse).view(-1, size)
+        else:
+            out[name] = slot_losses(name, q, p).view(-1, size) * m
+        out[f"{name}_weight"] = position_weights(settings, m, s, out[name])
     if slots.confidence is not None:
         out["bce"] = F.binary_cross_entropy_with_logits(slots.confidence, out["rate"], reduction="none") * m
         out["bce_weight"] = position_weights(settings, m, s)
@@ -181,8 +218,8 @@ def dspark_loss(draft, batch, *, embed_weight, lm_head_weight, num_anchors: int,
     s = slots.start
     with torch.no_grad():
         conf = None if slots.confidence is None else slots.confidence.sigmoid()[:, s:]
-        sums = _metric_sums(slots.mask[:, s:], terms["rate"][:, s:], slots.logits.argmax(-1)[:, s:],
-                            slots.teacher.argmax(-1)[:, s:], conf)
+        sums = _metric_sums(slots.mask[:, s:], terms["rate"][:, s:], terms["pred"][:, s:],
+                            slots.teacher_argmax[:, s:], conf)
         sums.update(weight_sum=slots.mask.sum(), loss_sum=loss.detach(), confidence_sum=confidence_sum.detach(),
                     term_sums=torch.stack(term_sums).detach())
     return loss, {key: value.double() for key, value in sums.items()}
