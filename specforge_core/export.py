@@ -9,7 +9,7 @@ Reads only the draft files of a checkpoint step directory (a run directory resol
 ``checkpoints/latest``). ``--format sglang`` (the default) writes ``config.json`` +
 ``model.safetensors`` holding exactly the serving keys, which SGLang and vLLM both load; a
 missing, unexpected or misshapen key is refused before anything is written. ``--format
-speculators`` writes vLLM's native speculators layout of an EAGLE3 draft (it names the verifier
+speculators`` writes vLLM's native speculators layout of the draft's family (it names the verifier
 and the speculative tokens, so ``vllm serve DIR`` needs nothing else); it reads the target's
 embedding and architectures from ``--target``. Prints one JSON line: checkpoint, family, format,
 out, dtype, number of tensors, capture layer ids. docs/export.md.
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
     ap.add_argument("--dtype", default="keep", choices=["keep", *DTYPES], help="weights dtype (default: as trained)")
     ap.add_argument("--format", default="sglang", choices=FORMATS,
-                    help="sglang (default; SGLang and vLLM load it) or speculators (vLLM's native layout; EAGLE3, DSpark)")
+                    help="sglang (default; SGLang and vLLM load it) or speculators (vLLM's native layout; every family)")
     ap.add_argument("--target", help="speculators: the local target directory (embedding, architectures)")
     ap.add_argument("--verifier", help="speculators: the target's name or path written into the config "
                     "(default: --target)")

@@ -226,6 +226,13 @@ class DFlashFamily:
     def load_export(self, directory: Path) -> DFlashDraftModel:
         return serving.load_exported_dflash(directory)
 
+    def export_speculators(self, draft, out_dir, *, target_dir, verifier=None, speculative_tokens=None,
+                           dtype: str = "keep"):
+        from specforge_core.drafts.dflash.speculators_format import export_dflash_speculators
+
+        return export_dflash_speculators(draft, out_dir, target_dir=target_dir, verifier=verifier,
+                                         speculative_tokens=speculative_tokens, dtype=dtype)
+
     # ---- decoding ----------------------------------------------------------------------------------
 
     def prepare_for_decoding(self, draft, target_model):

@@ -28,17 +28,14 @@ loader leaves a missing embedding uninitialised under transformers 5). docs/expo
 
 from pathlib import Path
 
-from safetensors.torch import save
-
 from specforge_core.drafts.eagle3.draft_config import capture_layer_ids_of, serving_config_dict, vllm_layer_ids
 from specforge_core.drafts.eagle3.model import EMBEDDING_KEY, Eagle3DraftModel, read_target_embedding
 from specforge_core.drafts.eagle3.serving import DTYPES, check_serving_state
-from specforge_core.drafts.speculators_layout import SPECULATORS_VERSION, target_architectures
-from specforge_core.errors import CheckpointError, ModelError
-from specforge_core.io import atomic_write_bytes, atomic_write_json, staged_directory
+from specforge_core.drafts.speculators_layout import (SPECULATORS_VERSION, export_state, target_architectures,
+                                                      write_layout)
+from specforge_core.errors import ModelError
 
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 # Fields of the exported draft config that make up the decoder layer's config.
 _LAYER_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -102,24 +99,12 @@ def export_speculators(model: Eagle3DraftModel, out_dir: str | Path, *, target_d
     Raises ModelError before writing anything when the weights are not exactly the serving key set,
     the embedding does not fit, or the target's config is unreadable.
     """
-    if dtype != "keep" and dtype not in DTYPES:
-        raise ModelError(f"unknown export dtype {dtype!r}", where="--dtype", fix=f"use keep or one of {', '.join(DTYPES)}")
     if speculative_tokens < 1:
         raise ModelError(f"speculative_tokens={speculative_tokens}", where="--speculative-tokens",
                          fix="give the number of draft tokens per verify pass, at least 1")
-    target_dir, out = Path(target_dir), Path(out_dir)
+    target_dir = Path(target_dir)
     architectures = target_architectures(target_dir)
-    state = {}
-    for key, tensor in model.draft_state_dict().items():
-        if dtype != "keep" and tensor.is_floating_point():
-            tensor = tensor.to(DTYPES[dtype])
-        state[key] = tensor.detach().to("cpu").contiguous()
-    check_serving_state(state, model.config, where="draft weights")
-    floats = {t.dtype for t in state.values() if t.is_floating_point()}
-    if len(floats) != 1:
-        raise ModelError(f"draft parameters mix dtypes {sorted(map(str, floats))}", where="draft model",
-                         fix="export with --dtype bfloat16 (or float32) to cast them to one dtype")
-    weight_dtype = floats.pop()
+    state, weight_dtype = export_state(model, dtype, DTYPES, check_serving_state)
     embedding = read_target_embedding(target_dir)
     expected = (model.config.vocab_size, model.config.hidden_size)
     if tuple(embedding.shape) != expected:
@@ -131,10 +116,4 @@ def export_speculators(model: Eagle3DraftModel, out_dir: str | Path, *, target_d
     config = speculators_config(model.config, verifier=str(target_dir) if verifier is None else verifier,
                                 verifier_architectures=architectures, speculative_tokens=speculative_tokens,
                                 dtype=str(weight_dtype).removeprefix("torch."))
-    if out.exists() and not (out.is_dir() and {p.name for p in out.iterdir()} <= {CONFIG_FILE, WEIGHTS_FILE}):
-        raise CheckpointError("the export directory holds other files", where=str(out),
-                              fix="choose an empty or new --out directory")
-    with staged_directory(out, replace=True) as stage:
-        atomic_write_bytes(stage / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
-        atomic_write_json(stage / CONFIG_FILE, config, sort_keys=True)
-    return out
+    return write_layout(Path(out_dir), tensors, config)

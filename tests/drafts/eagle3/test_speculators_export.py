@@ -217,12 +217,3 @@ def test_the_sglang_export_is_still_the_default_and_takes_no_speculators_flags(t
     assert "error: --target:" in err and "fix: give --target the local directory" in err
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
-
-def test_a_dflash_draft_has_no_speculators_export(tmp_path, tiny_target_dir, capsys):
-    from specforge_core.drafts import get_family
-    from tests.drafts.dflash.fixtures import tiny_draft
-
-    get_family("dflash").save_checkpoint_files(tiny_draft(), tmp_path / "step")
-    assert main(["--checkpoint", str(tmp_path / "step"), "--out", str(tmp_path / "x"), "--format", "speculators",
-                 "--target", str(tiny_target_dir)]) == 2
-    assert "the dflash family has no speculators export" in capsys.readouterr().err
