@@ -196,9 +196,17 @@ class DSparkSection(DFlashSection):
     )
     dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing.")
     confidence_head_alpha: float = Field(1.0, ge=0, description="Weight of the confidence head's BCE term.")
+    confidence_threshold: float | None = Field(
+        None, ge=0, lt=1, description="Decoding (validation, evaluate): each chain stops before the slot where the "
+        "running product of the confidence head's predicted acceptance falls below this; none: chains of the fixed "
+        "length validation.num_steps. Needs enable_confidence_head."
+    )
 
     @model_validator(mode="after")
     def _heads_fit(self) -> "DSparkSection":
+        if self.confidence_threshold is not None and not self.enable_confidence_head:
+            raise ValueError("confidence_threshold schedules chains from the confidence head, which is off: set "
+                             "enable_confidence_head: true or remove confidence_threshold")
         if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
             raise ValueError("confidence_head_with_markov reads the Markov head, but markov_rank is 0: set "
                              "confidence_head_with_markov: false or markov_rank > 0")

@@ -125,7 +125,7 @@ def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_n
     capture_ids = capture_layers_for(cfg, model, family, draft)
     prompts = held_out_prompts(cfg, tok, num_prompts)
     stops = stop_token_ids(model, tok, ChatRenderer(tok, template_kwargs=cfg.data.chat_template_kwargs).end_of_turn)
-    measured = measure_acceptance(model, family.drafter(draft, model), prompts, stop_ids=stops, capture_layer_ids=capture_ids,
+    measured = measure_acceptance(model, family.drafter(draft, model, cfg), prompts, stop_ids=stops, capture_layer_ids=capture_ids,
                                   num_steps=num_steps, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                   check_lossless=check_lossless)
     # a checkpoint's own training figures, not the run's last line (which may be later)
@@ -196,7 +196,7 @@ def evaluate_benchmarks(cfg, draft_path: str | Path, *, benchmarks: list[str] | 
     chat = ChatCodec(tok, cfg.data.chat_template_kwargs)
     stops = stop_token_ids(model, tok, chat.renderer.end_of_turn)
     target = DecodingTarget(model, capture_ids)
-    drafter = family.drafter(draft, model)
+    drafter = family.drafter(draft, model, cfg)
     try:
         runs = {name: run_benchmark(target, drafter, ps, rows, encode=chat.encode, answer_text=chat.answer_text,
                                     stop_ids=stops, max_new_tokens=max_new_tokens, batch_size=batch_size,

@@ -68,11 +68,11 @@ class DraftFamily(Protocol):
     def export(self, draft: nn.Module, out_dir: Path, dtype: str = "keep") -> Path: ...
     def load_export(self, directory: Path) -> nn.Module: ...
     # optional: export_speculators(draft, out_dir, *, target_dir, verifier=None, speculative_tokens=3,
-    # dtype="keep") -> Path, vLLM's native layout (EAGLE3; the export command refuses it for others)
+    # dtype="keep") -> Path, vLLM's native layout (every family has one)
 
     # ---- decoding --------------------------------------------------------------------------------
     def prepare_for_decoding(self, draft: nn.Module, target_model) -> nn.Module: ...
-    def drafter(self, draft: nn.Module, target_model): ...
+    def drafter(self, draft: nn.Module, target_model, cfg=None): ...  # cfg: the run config's decoding settings
 
 
 def get_family(name: str) -> DraftFamily:

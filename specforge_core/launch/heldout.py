@@ -65,7 +65,7 @@ class HeldOutDecoder:
             draft = self._load_weights(state, model)
             with torch.no_grad():
                 measured = measure_acceptance(
-                    model, self.family.drafter(draft, model), self.prompts, stop_ids=stops,
+                    model, self.family.drafter(draft, model, self.cfg), self.prompts, stop_ids=stops,
                     capture_layer_ids=layer_ids, num_steps=self.num_steps, max_new_tokens=self.max_new_tokens,
                 )
         random.setstate(py_rng)

@@ -239,7 +239,7 @@ class DFlashFamily:
         draft.cast_params(target_model.dtype)
         return draft.to(target_model.device).eval()
 
-    def drafter(self, draft, target_model):
+    def drafter(self, draft, target_model, cfg=None):
         from specforge_core.drafts.dflash.drafter import DFlashDrafter
 
         return DFlashDrafter(draft, embed_weight=target_model.get_input_embeddings().weight,

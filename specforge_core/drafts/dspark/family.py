@@ -150,11 +150,14 @@ class DSparkFamily(DFlashFamily):
 
     # ---- decoding ----------------------------------------------------------------------------------
 
-    def drafter(self, draft, target_model):
+    def drafter(self, draft, target_model, cfg=None):
+        """The evaluator's drafter; ``cfg.draft.dspark.confidence_threshold`` (when given) schedules
+        each chain's length from the confidence head, else chains have the fixed length asked."""
         from specforge_core.drafts.dspark.drafting import DSparkDrafter
 
+        threshold = None if cfg is None else cfg.draft.dspark.confidence_threshold
         return DSparkDrafter(draft, embed_weight=target_model.get_input_embeddings().weight,
-                             lm_head_weight=target_model.get_output_embeddings().weight)
+                             lm_head_weight=target_model.get_output_embeddings().weight, confidence_threshold=threshold)
 
 
 FAMILY = DSparkFamily()

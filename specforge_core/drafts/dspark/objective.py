@@ -117,8 +117,8 @@ class Slots:
 def draft_slots(draft, batch, *, embed_weight, lm_head_weight, num_anchors: int,
                 generator: torch.Generator | None, backend: str = "auto", compile: bool = False) -> Slots:
     """Anchor blocks, one draft forward and the teacher of every slot (module docstring).
-    Logits stay in the head's dtype (the Markov bias added in the head's matmul) and the teacher
-    is made in vocabulary chunks (``compute_teacher``): no fp32 ``[n, B, V]`` copy of either."""
+    Logits stay in the head's dtype (the Markov bias added in the head's matmul); on CUDA the
+    teacher is made in vocabulary chunks (``compute_teacher``): no fp32 ``[n, B, V]`` copy of either."""
     check_batch(batch, draft, embed_weight, lm_head_weight)
     last = batch_field(batch, "last_hidden")
     if last is None:
@@ -147,12 +147,17 @@ def draft_slots(draft, batch, *, embed_weight, lm_head_weight, num_anchors: int,
     else:
         logits = torch.addmm(out.markov_bias[:, : nb * size].to(W.dtype).flatten(0, 1), hidden, W.T)
     with torch.no_grad():
-        rows = last.gather(1, teacher_col.flatten(1)[..., None].expand(-1, -1, last.shape[-1]))
-        every = torch.ones(W.shape[0], dtype=torch.bool, device=W.device)
-        teacher = compute_teacher(rows.flatten(0, 1), W, every, compile=compile)
+        rows = last.gather(1, teacher_col.flatten(1)[..., None].expand(-1, -1, last.shape[-1])).flatten(0, 1)
+        if W.is_cuda:  # vocabulary chunks, one pass each (the Triton kernel where it applies)
+            every = torch.ones(W.shape[0], dtype=torch.bool, device=W.device)
+            made = compute_teacher(rows, W, every, compile=compile)
+            teacher, lse, argmax = made.logits, made.lse, made.argmax
+        else:  # the plain loss reads the whole rows anyway: one matmul, its logsumexp and argmax
+            teacher = rows.to(W.dtype) @ W.T
+            lse, argmax = torch.logsumexp(teacher.float(), dim=-1), teacher.argmax(-1)
     conf = out.confidence_logits
-    return Slots(blocks, s, logits.view(b * nb, size, -1), teacher.logits.view(b * nb, size, -1),
-                 teacher.lse.view(-1, size), teacher.argmax.view(-1, size), mask.float().view(-1, size),
+    return Slots(blocks, s, logits.view(b * nb, size, -1), teacher.view(b * nb, size, -1), lse.view(-1, size),
+                 argmax.view(-1, size), mask.float().view(-1, size),
                  None if conf is None else conf[:, : nb * size].float().reshape(-1, size))
 
 

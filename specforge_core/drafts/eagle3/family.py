@@ -156,7 +156,7 @@ class Eagle3Family:
         draft.load_embedding(target_model.get_input_embeddings().weight.detach().cpu())
         return draft.to(target_model.device).eval()
 
-    def drafter(self, draft, target_model):
+    def drafter(self, draft, target_model, cfg=None):
         from specforge_core.drafts.eagle3.drafter import DraftRunner
 
         return DraftRunner(draft)

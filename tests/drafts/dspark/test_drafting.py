@@ -87,3 +87,19 @@ def test_speculative_decoding_with_the_drafter_is_lossless(target, threshold, fi
                         num_steps=drafter.max_steps)
     plain = decode_batch(decoding, PROMPTS, max_new_tokens=12, stop_ids=set())
     assert [g.tokens for g in spec] == [g.tokens for g in plain]
+
+
+def test_the_run_config_sets_the_evaluators_threshold_and_refuses_it_without_the_head(target):
+    from specforge_core.config import load_config
+    from specforge_core.drafts import get_family
+    from specforge_core.errors import ConfigError
+
+    draft = tiny_dspark(6, block_size=BLOCK).eval()
+    family = get_family("dspark")
+    cfg = load_config("examples/tiny-cpu.yaml", ["draft.family=dspark", "draft.dspark.confidence_threshold=0.4"])
+    assert family.drafter(draft, target, cfg).confidence_threshold == 0.4
+    assert family.drafter(draft, target, load_config("examples/tiny-cpu.yaml", ["draft.family=dspark"])) \
+        .confidence_threshold is None
+    with pytest.raises(ConfigError, match="confidence_threshold"):
+        load_config("examples/tiny-cpu.yaml", ["draft.family=dspark", "draft.dspark.confidence_threshold=0.4",
+                                               "draft.dspark.enable_confidence_head=false"])
