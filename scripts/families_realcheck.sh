@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The draft families side by side on the ShareGPT real check (docs/families.md, "Measured"):
+# SmolLM2-135M-Instruct on 2 CPU cores, the same regenerated answers and the same minutes of
+# training for each family, τ at k = 3 on the same held-out prompts. Run it on a quiet machine,
+# from the project root, after `make install`:
+#
+#   bash scripts/families_realcheck.sh                 # 6 minutes each, 120 answers (≈ 40 min in all)
+#   MINUTES=30 ANSWERS=480 bash scripts/families_realcheck.sh     # make sharegpt-30m's scale (≈ 4 h)
+#   FAMILIES="eagle3 dflash dspark" MINUTES=10 ANSWERS=480 bash scripts/families_realcheck.sh
+#
+# Each family's run goes to runs/families-<ANSWERS>a-<MINUTES>m/<family>/ (results.json, results.md);
+# a second call goes on where the first stopped (scripts/sharegpt_realcheck.py's stages resume).
+set -euo pipefail
+MINUTES=${MINUTES:-6}
+ANSWERS=${ANSWERS:-120}
+FAMILIES=${FAMILIES:-eagle3 eagle31 dflash dflash2 dspark}
+OUT=runs/families-${ANSWERS}a-${MINUTES}m
+BLOCK="draft.dflash.block_size=8 draft.dflash.num_layers=1 draft.dflash.num_anchors=64 draft.dflash.loss_decay_gamma=4"
+declare -A FAMILY=(
+  [eagle3]=""
+  [eagle31]="draft.fc_norm=true draft.norm_output=true"
+  [dflash]="draft.family=dflash $BLOCK"
+  [dflash2]="draft.family=dflash $BLOCK draft.dflash.dflash2=true"
+  [dspark]="draft.family=dspark draft.dspark.block_size=8 draft.dspark.num_layers=1 draft.dspark.num_anchors=64"
+)
+export OMP_NUM_THREADS=2 PYTHONPATH=.
+CHECK=(.venv/bin/python scripts/sharegpt_realcheck.py --config examples/sharegpt-realcheck.yaml --answers "$ANSWERS"
+       --heldout-prompts 32 --validation-prompts 8 --eval-new-tokens 64 --eval-splits heldout)
+mkdir -p "$OUT"
+"${CHECK[@]}" --stages data,regenerate
+for family in $FAMILIES; do
+  # shellcheck disable=SC2086  # the overrides are words
+  "${CHECK[@]}" "output.dir=$OUT/$family" "training.time_budget=${MINUTES}m" training.heldout.interval=100000 \
+      training.heldout.num_prompts=2 training.heldout.max_new_tokens=16 ${FAMILY[$family]} > "$OUT/$family.log" 2>&1
+  echo "$family: $(grep -o '"acceptance_length": [0-9.]*' "$OUT/$family/eval-heldout.json" | head -1)"
+done
