@@ -22,7 +22,8 @@ the other, each a subprocess of this script so that memory and compile caches do
   which are its fastest documented settings: ``simple_flex_attention`` (block masks built by a
   compiled ``create_block_mask``), its Triton ``fused`` losses, and its ``forward`` under
   ``torch.compile`` (``conditional_torch_compile``), the fused loss called outside the compiled
-  graph (on torch 2.11 dynamo fails to trace it: ``keep_fused_losses_out_of_the_compiled_forward``). On a CPU: eager attention and eager losses
+  graph (on torch 2.11 dynamo fails to trace it: ``keep_fused_losses_out_of_the_compiled_forward``).
+  On a CPU: eager attention and eager losses
   (the only ones it has there), no compile.
 
 Inputs: one packed row of ``--seq-len`` tokens (speculators trains on ``[1, T]`` rows), random
@@ -73,6 +74,7 @@ that runs out of ``--side-timeout`` reports the tail of its progress lines (one 
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -161,29 +163,25 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
     warm_s = time.perf_counter() - t0
     times = []
     profile = os.environ.get("BENCH_PROFILE")  # a path: the timed steps' CUDA-time table goes there
+    kinds = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    tracing = torch.profiler.profile(activities=kinds) if profile else contextlib.nullcontext()
+    with tracing:
+        for _ in range(steps):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                loss = step(first is None)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t = time.perf_counter()
+                loss = step(first is None)
+                times.append(time.perf_counter() - t)
+            first = first or loss
     if profile:
-        from torch.profiler import ProfilerActivity, profile as profiler
-
-        tracing = profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        tracing.__enter__()
-    for _ in range(steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = step(first is None)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            loss = step(first is None)
-            times.append(time.perf_counter() - t)
-        first = first or loss
-    if profile:
-        tracing.__exit__(None, None, None)
-        table = tracing.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
-                                             row_limit=40, max_name_column_width=90)
-        Path(profile).write_text(table)
+        order = "self_device_time_total" if cuda else "self_cpu_time_total"
+        Path(profile).write_text(tracing.key_averages().table(sort_by=order, row_limit=40, max_name_column_width=90))
     return dict(first_loss=first, step_s=statistics.median(times), warmup_s=warm_s,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device_name=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,

@@ -53,9 +53,6 @@ def export(checkpoint: str, out: str, dtype: str = "keep", *, fmt: str = "sglang
         written = family.export(model, out, dtype=dtype)
         tensors = len(model.draft_state_dict())
     else:
-        if not callable(getattr(family, "export_speculators", None)):
-            raise ConfigError(f"the {family.name} family has no speculators export", where="--format",
-                              fix="use --format sglang (vLLM loads it as it is)")
         tokens = {} if speculative_tokens is None else {"speculative_tokens": speculative_tokens}
         written = family.export_speculators(model, out, target_dir=target, verifier=verifier, dtype=dtype, **tokens)
         config = json.loads((written / "config.json").read_text())

@@ -24,6 +24,7 @@ from specforge_core.drafts.dflash.serving import DTYPES, check_serving_state
 from specforge_core.drafts.speculators_layout import (SPECULATORS_VERSION, export_state, target_architectures,
                                                       write_layout)
 from specforge_core.errors import ModelError
+
 # our config keys that speculators keeps outside transformer_layer_config (or not at all)
 _NOT_LAYER_KEYS = ("dflash_config", "dspark_config", "block_size", "num_target_layers", "architectures")
 

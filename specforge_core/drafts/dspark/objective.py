@@ -115,7 +115,7 @@ class Slots:
 
 
 def draft_slots(draft, batch, *, embed_weight, lm_head_weight, num_anchors: int,
-                generator: torch.Generator | None, backend: str = "auto", compile: bool = False) -> Slots:
+                generator: torch.Generator | None, backend: str = "auto") -> Slots:
     """Anchor blocks, one draft forward and the teacher of every slot (module docstring).
     Logits stay in the head's dtype (the Markov bias added in the head's matmul); on CUDA the
     teacher is made in vocabulary chunks (``compute_teacher``): no fp32 ``[n, B, V]`` copy of either."""
@@ -150,7 +150,7 @@ def draft_slots(draft, batch, *, embed_weight, lm_head_weight, num_anchors: int,
         rows = last.gather(1, teacher_col.flatten(1)[..., None].expand(-1, -1, last.shape[-1])).flatten(0, 1)
         if W.is_cuda:  # vocabulary chunks, one pass each (the Triton kernel where it applies)
             every = torch.ones(W.shape[0], dtype=torch.bool, device=W.device)
-            made = compute_teacher(rows, W, every, compile=compile)
+            made = compute_teacher(rows, W, every, compile=False)
             teacher, lse, argmax = made.logits, made.lse, made.argmax
         else:  # the plain loss reads the whole rows anyway: one matmul, its logsumexp and argmax
             teacher = rows.to(W.dtype) @ W.T
