@@ -160,12 +160,12 @@ class CandidateSelector(nn.Module):
 
 
 def unary_top_k(hidden: torch.Tensor, lm_head_weight: torch.Tensor, k: int, chunk_rows: int = 2048) -> torch.Tensor:
-    """Ids ``[R, k]`` of the k largest target-head logits of ``hidden [R, H]`` (no gradient; fp32
-    logits one chunk of rows at a time)."""
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    """Ids ``[R, k]`` of the k largest target-head logits of ``hidden [R, H]`` (no gradient; the
+    logits in the head's dtype, as the unary loss computes them, one chunk of rows at a time: a
+    float32 product over the full vocabulary would cost as much as the rest of the step)."""
     with torch.no_grad():
-        w = lm_head_weight.detach().to(dtype)
-        parts = [(rows.to(dtype) @ w.T).topk(k, dim=-1).indices for rows in hidden.detach().split(chunk_rows)]
+        w = lm_head_weight.detach()
+        parts = [(rows.to(w.dtype) @ w.T).topk(k, dim=-1).indices for rows in hidden.detach().split(chunk_rows)]
     return torch.cat(parts) if parts else torch.zeros(0, k, dtype=torch.long, device=hidden.device)
 
 
