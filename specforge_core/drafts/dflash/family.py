@@ -148,7 +148,8 @@ class DFlashFamily:
         (``8H + 2·kv + 3I`` values) and its embedding, final norm and head inputs (``2H``); every
         context token's ``fc`` and ``hidden_norm`` outputs (``2H``) and its keys and values in every
         layer (``2·kv`` each); and the target-head cross-entropy's fp32 ``[2048, V]`` chunk with its
-        gradient (``fast.chunked_ce.target_cross_entropy``). DFlash2 adds per query four convolutions per
+        gradient (``fast.chunked_ce.target_cross_entropy``'s torch passes: an upper bound on CUDA,
+        where its kernels keep one ``[2048, V]`` chunk in the head's dtype). DFlash2 adds per query four convolutions per
         layer (input, kernels and output: ``4·(2H + 2·K_conv·G)``) and the selector's fp32 scores and
         gathered codebook rows (``top_k · (3·rank + 2)``), plus one fp32 ``[2048, top_k, H]`` chunk
         of candidate head rows. Building the attention's block mask comes first and is freed before

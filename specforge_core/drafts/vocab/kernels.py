@@ -21,7 +21,10 @@ rescaled sum of exponentials, so a row's logsumexp and argmax come from one read
   in the logits' dtype; zeros, without reading anything, for rows whose ``coef`` is zero.
 - :func:`chunk_stats` (``teacher._chunk_stats``): per row of one vocabulary chunk of the target
   head's logits, its max, first argmax and logsumexp, then its draft columns written straight
-  into the teacher's draft logits with their logsumexp.
+  into the teacher's draft logits with their logsumexp. With no draft columns it is also the
+  hard-target cross-entropy's forward pass (``dflash/fast/chunked_ce.hard_ce_stats``).
+- :func:`hard_ce_backward_` (``dflash/fast/chunked_ce.hard_ce_grad``): ``grad·(softmax − onehot)``
+  of a hard target, written over the logits in their dtype.
 
 Inductor's kernels for the same passes read each row two or three times; these read it once.
 
@@ -107,6 +110,17 @@ def chunk_stats(logits, cols, picked):
             top, arg, lse, draft_lse, columns, BLOCK=_block(columns), num_warps=WARPS,
         )
     return top, arg, lse, draft_lse
+
+
+def hard_ce_backward_(logits, lse, label, grad):
+    """In place: each row of ``logits [N, V]`` becomes ``grad·(exp(logit − lse) − onehot(label))``
+    in the logits' dtype (fp32 arithmetic), as ``dflash/fast/chunked_ce.hard_ce_grad``; returns
+    ``logits``."""
+    n, vocab = logits.shape
+    if n:
+        _hard_ce_backward_kernel[(n,)](logits, logits.stride(0), lse.float().contiguous(), label.contiguous(),
+                                       grad.float().contiguous(), vocab, BLOCK=_block(vocab), num_warps=WARPS)
+    return logits
 
 
 if triton is not None:
@@ -231,3 +245,18 @@ if triton is not None:
         d_lse = tl.where(d_top == float("-inf"), float("-inf"),
                          d_top + tl.log(tl.sum(d_sum * tl.exp(d_max - d_top), axis=0)))
         tl.store(draft_lse_out + row, d_lse)
+
+    @triton.jit
+    def _hard_ce_backward_kernel(logits, stride_l, lse, label, grad, vocab: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        coef = tl.load(grad + row)
+        row_lse = tl.load(lse + row)
+        lab = tl.load(label + row).to(tl.int64)
+        x_row = logits + row * stride_l
+        lanes = tl.arange(0, BLOCK)
+        for start in range(0, vocab, BLOCK):
+            cols = start + lanes
+            inside = cols < vocab
+            x = tl.load(x_row + cols, mask=inside, other=0.0).to(tl.float32)
+            d = coef * (tl.exp(x - row_lse) - tl.where(cols == lab, 1.0, 0.0))
+            tl.store(x_row + cols, d.to(logits.dtype.element_ty), mask=inside)

@@ -79,3 +79,27 @@ def test_only_cuda_matrices_with_unit_column_stride_use_the_kernels():
     if torch.cuda.is_available():
         y = x.cuda()
         assert vocab_kernels.usable(y, y) and not vocab_kernels.usable(y.t(), y) and not vocab_kernels.usable(y[0])
+
+
+@pytest.mark.parametrize("vocab", [300, 2048, 5000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hard_target_kernels_give_the_cross_entropy_argmax_and_gradient(vocab, dtype):
+    from specforge_core.drafts.dflash.fast import chunked_ce
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(19, vocab, generator=g) * 3).to(dtype)
+    logits[4, 9] = logits[4, 2] = logits[4].max() + 1  # a tie: the first index wins
+    labels = torch.randint(vocab, (19,), generator=g)
+    grad = torch.randn(19, generator=g)
+    grad[7] = 0.0
+    want_ce, want_arg, want_lse = chunked_ce.hard_ce_stats(logits, labels)  # CPU: the torch passes
+    want_grad = chunked_ce.hard_ce_grad(logits, want_lse, labels, grad)
+
+    on = [x.to(DEVICE) for x in (logits, labels, grad)]
+    _, arg, lse, _ = vocab_kernels.chunk_stats(on[0], torch.zeros(0, dtype=torch.int32, device=DEVICE), on[0][:, :0])
+    assert torch.equal(arg.cpu(), want_arg) and arg[4] == 2
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-6, atol=1e-5)
+    out = vocab_kernels.hard_ce_backward_(on[0].clone(), lse, on[1], on[2])
+    assert out.dtype == dtype and (out[7] == 0).all()
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-5)
+    torch.testing.assert_close(out.cpu(), want_grad, **tol)

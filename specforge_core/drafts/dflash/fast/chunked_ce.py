@@ -3,13 +3,19 @@
     ce, argmax = target_cross_entropy(hidden, lm_head_weight, labels, chunk_rows=2048)
 
 :func:`target_cross_entropy_plain` states the contract (autograd over the full ``[n, V]`` fp32
-logits); :class:`ChunkedTargetCE` computes the same with fp32 logits for one chunk of rows at a
-time in the forward and again in the backward, keeping only each row's logsumexp between them
-(tests/drafts/dflash/fast/test_chunked_ce.py).
+logits); :class:`ChunkedTargetCE` computes the same for one chunk of rows at a time in the forward
+and again in the backward, keeping only each row's logsumexp between them
+(tests/drafts/dflash/fast/test_chunked_ce.py). Per chunk, :func:`hard_ce_stats` and
+:func:`hard_ce_grad` are the torch passes over the logits; on CUDA the Triton kernels of
+``drafts/vocab/kernels.py`` do each in one read of the head's-dtype logits (the gradient written
+over them), where the torch passes make float32 copies of the ``[chunk, V]`` rows several times
+(tests/drafts/vocab/test_kernels.py holds them equal).
 """
 
 import torch
 import torch.nn.functional as F
+
+from specforge_core.drafts.vocab import kernels as vocab_kernels
 
 
 def target_cross_entropy_plain(hidden, lm_head_weight, labels):
@@ -24,6 +30,29 @@ def target_cross_entropy(hidden, lm_head_weight, labels, chunk_rows: int = 2048)
     return ChunkedTargetCE.apply(hidden, lm_head_weight.detach(), labels, chunk_rows)
 
 
+def hard_ce_stats(logits, labels):
+    """``(ce, argmax, lse)`` of each row of ``logits [n, V]`` (fp32 arithmetic; the first index
+    of a tied maximum)."""
+    if vocab_kernels.usable(logits):
+        none = torch.zeros(0, dtype=torch.int32, device=logits.device)
+        _, argmax, lse, _ = vocab_kernels.chunk_stats(logits, none, logits[:, :0])
+    else:
+        full = logits.float()
+        lse, argmax = torch.logsumexp(full, dim=-1), full.argmax(dim=-1)
+    return lse - logits.gather(1, labels[:, None])[:, 0].float(), argmax, lse
+
+
+def hard_ce_grad(logits, lse, labels, grad):
+    """``d(Σ grad·CE)/d(logits) = grad·(softmax − onehot(labels))`` per row, in the logits' dtype
+    (fp32 arithmetic); on CUDA written over ``logits``."""
+    if vocab_kernels.usable(logits):
+        return vocab_kernels.hard_ce_backward_(logits, lse, labels, grad)
+    probs = torch.exp(logits.float() - lse[:, None])
+    probs[torch.arange(probs.shape[0], device=probs.device), labels] -= 1.0
+    probs *= grad[:, None]
+    return probs.to(logits.dtype)
+
+
 class ChunkedTargetCE(torch.autograd.Function):
     """Per row: CE of ``hidden @ weight.T`` (fp32 log-softmax over the full vocab) against
     ``labels``, and the argmax; ``[chunk, V]`` logits at a time, recomputed in backward (only
@@ -36,10 +65,8 @@ class ChunkedTargetCE(torch.autograd.Function):
         lse = hidden.new_empty(n, dtype=torch.float32)
         pred = labels.new_empty(n)
         for s in range(0, n, chunk):
-            logits = (hidden[s : s + chunk].to(weight.dtype) @ weight.T).float()
-            lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
-            ce[s : s + chunk] = lse[s : s + chunk] - logits.gather(1, labels[s : s + chunk, None])[:, 0]
-            pred[s : s + chunk] = logits.argmax(dim=-1)
+            e = s + chunk
+            ce[s:e], pred[s:e], lse[s:e] = hard_ce_stats(hidden[s:e].to(weight.dtype) @ weight.T, labels[s:e])
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(pred)
@@ -51,8 +78,6 @@ class ChunkedTargetCE(torch.autograd.Function):
         grad = torch.empty_like(hidden)
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = s + ctx.chunk
-            probs = torch.exp((hidden[s:e].to(weight.dtype) @ weight.T).float() - lse[s:e, None])
-            probs[torch.arange(probs.shape[0], device=probs.device), labels[s:e]] -= 1.0
-            probs *= grad_ce[s:e, None]
-            grad[s:e] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+            dlogits = hard_ce_grad(hidden[s:e].to(weight.dtype) @ weight.T, lse[s:e], labels[s:e], grad_ce[s:e])
+            grad[s:e] = (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
         return grad, None, None, None
