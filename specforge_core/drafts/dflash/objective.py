@@ -239,9 +239,8 @@ def dflash_loss(
         decay = torch.exp(-(k - 1).clamp(min=0).double() / loss_decay_gamma)
     weight64 = blocks.valid.double() * decay
     weight = weight64.float()
-    ce, pred = target_cross_entropy(hidden.flatten(0, 1)[rows], lm_head_weight, blocks.labels.flatten()[rows],
-                                    ce_chunk_rows)
-    loss = (ce * weight.flatten()[rows]).sum()
+    loss, ce, pred = target_cross_entropy(hidden.flatten(0, 1)[rows], lm_head_weight, blocks.labels.flatten()[rows],
+                                          weight.flatten()[rows], ce_chunk_rows)
     if query is not None:
         extra, selector_sums = dflash2.selector_objective(selected, weight.flatten()[rows], blocks, rows,
                                                           selector_loss_alpha)

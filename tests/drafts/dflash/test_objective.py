@@ -13,7 +13,6 @@ from specforge_core.drafts.dflash.objective import (
     dflash_loss,
     summarize_dflash_metrics,
 )
-from specforge_core.drafts.dflash.fast.chunked_ce import target_cross_entropy
 from specforge_core.errors import ConfigError, ModelError
 from tests.drafts.dflash.fixtures import (
     MASK,
@@ -176,23 +175,6 @@ def test_anchor_generator_is_a_pure_function_of_its_coordinates():
     assert torch.equal(torch.rand(8, generator=a), torch.rand(8, generator=b))
     assert not torch.equal(torch.rand(8, generator=anchor_generator(1, step=5, rank=0, micro_step=2)),
                            torch.rand(8, generator=c))
-
-
-def test_chunked_cross_entropy_equals_plain_cross_entropy_and_its_gradient():
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(11, 16, generator=g, requires_grad=True)
-    W = torch.randn(40, 16, generator=g)
-    labels = torch.randint(40, (11,), generator=g)
-    coef = torch.rand(11, generator=g)
-    ce, pred = target_cross_entropy(h, W, labels, chunk_rows=3)
-    (ce * coef).sum().backward()
-    grad = h.grad.clone()
-    h.grad = None
-    plain = torch.nn.functional.cross_entropy(h @ W.T, labels, reduction="none")
-    (plain * coef).sum().backward()
-    torch.testing.assert_close(ce, plain)
-    torch.testing.assert_close(grad, h.grad)
-    assert torch.equal(pred, (h @ W.T).argmax(-1))
 
 
 def test_a_batch_without_anchors_has_zero_loss_zero_gradients_and_every_parameter_a_gradient():

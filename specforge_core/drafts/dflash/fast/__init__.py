@@ -1,7 +1,7 @@
 """The DFlash objective's speed machinery; ``objective.py`` states the math it computes.
 
-- ``chunked_ce``: the target head's cross-entropy over the vocabulary in row chunks, recomputed
-  in the backward (:func:`chunked_ce.target_cross_entropy_plain` is the plain one);
+- ``chunked_ce``: the target head's weighted cross-entropy over the vocabulary in row chunks, its
+  gradient taken in the same pass (:func:`chunked_ce.target_cross_entropy_plain` is the plain one);
 - ``flex_blocks``: the anchor blocks' attention on flex attention kernels (the plain one:
   ``objective.dense_masks`` with ``model.dense_attend``).
 

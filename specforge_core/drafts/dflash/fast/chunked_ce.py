@@ -1,14 +1,16 @@
-"""The frozen target head's cross-entropy on the draft's outputs, ``[chunk, V]`` logits at a time.
+"""The frozen target head's weighted cross-entropy on the draft's outputs, ``[chunk, V]`` logits at a time.
 
-    ce, argmax = target_cross_entropy(hidden, lm_head_weight, labels, chunk_rows=2048)
+    loss, ce, argmax = target_cross_entropy(hidden, lm_head_weight, labels, weights, chunk_rows=2048)
 
-:func:`target_cross_entropy_plain` states the contract (autograd over the full ``[n, V]`` fp32
-logits); :class:`ChunkedTargetCE` computes the same for one chunk of rows at a time in the forward
-and again in the backward, keeping only each row's logsumexp between them
-(tests/drafts/dflash/fast/test_chunked_ce.py). Per chunk, :func:`hard_ce_stats` and
-:func:`hard_ce_grad` are the torch passes over the logits; on CUDA the Triton kernels of
-``drafts/vocab/kernels.py`` do each in one read of the head's-dtype logits (the gradient written
-over them), where the torch passes make float32 copies of the ``[chunk, V]`` rows several times
+:func:`target_cross_entropy_plain` states the contract: ``loss = Σ weights·CE`` of the fp32
+logits ``hidden @ W.T`` against ``labels``, with gradient to ``hidden`` only, and each row's CE and
+argmax (no gradient). :class:`ChunkedTargetCE` computes the same one chunk of rows at a time and,
+since the loss is linear in the rows' CE with weights known in the forward, takes the gradient in
+the same pass: each chunk's logits are made once, their gradient written over them and multiplied
+back through the head, and only ``d loss / d hidden`` (``[n, H]``) is kept for the backward, which
+scales it by the upstream gradient (tests/drafts/dflash/fast/test_chunked_ce.py). Per chunk,
+:func:`hard_ce_stats` and :func:`hard_ce_grad` are the torch passes over the logits; on CUDA the
+Triton kernels of ``drafts/vocab/kernels.py`` do each in one read of the head's-dtype logits
 (tests/drafts/vocab/test_kernels.py holds them equal).
 """
 
@@ -18,16 +20,18 @@ import torch.nn.functional as F
 from specforge_core.drafts.vocab import kernels as vocab_kernels
 
 
-def target_cross_entropy_plain(hidden, lm_head_weight, labels):
-    """``(ce [n] fp32, argmax [n])``: the cross-entropy of the fp32 logits
-    ``hidden.to(W.dtype) @ W.T`` against ``labels``, gradient to ``hidden`` only."""
+def target_cross_entropy_plain(hidden, lm_head_weight, labels, weights):
+    """``(loss, ce [n], argmax [n])``: ``loss = Σ weights·ce`` (fp32 scalar, gradient to ``hidden``
+    only) where ``ce`` is the cross-entropy of the fp32 logits ``hidden.to(W.dtype) @ W.T``
+    against ``labels``; ``ce`` and ``argmax`` carry no gradient."""
     logits = (hidden.to(lm_head_weight.dtype) @ lm_head_weight.detach().T).float()
-    return F.cross_entropy(logits, labels, reduction="none"), logits.detach().argmax(dim=-1)
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * weights.detach().float()).sum(), ce.detach(), logits.detach().argmax(dim=-1)
 
 
-def target_cross_entropy(hidden, lm_head_weight, labels, chunk_rows: int = 2048):
+def target_cross_entropy(hidden, lm_head_weight, labels, weights, chunk_rows: int = 2048):
     """:func:`target_cross_entropy_plain`, ``chunk_rows`` rows of logits at a time (module doc)."""
-    return ChunkedTargetCE.apply(hidden, lm_head_weight.detach(), labels, chunk_rows)
+    return ChunkedTargetCE.apply(hidden, lm_head_weight.detach(), labels, weights.detach().float(), chunk_rows)
 
 
 def hard_ce_stats(logits, labels):
@@ -54,30 +58,27 @@ def hard_ce_grad(logits, lse, labels, grad):
 
 
 class ChunkedTargetCE(torch.autograd.Function):
-    """Per row: CE of ``hidden @ weight.T`` (fp32 log-softmax over the full vocab) against
-    ``labels``, and the argmax; ``[chunk, V]`` logits at a time, recomputed in backward (only
-    the per-row log-sum-exp is saved). No gradient to ``weight`` (the frozen target head)."""
+    """``(Σ weights·CE, CE, argmax)`` of ``hidden @ weight.T`` (fp32 log-softmax over the full
+    vocab) against ``labels``, ``[chunk, V]`` logits at a time; the gradient to ``hidden`` is made
+    in the forward and kept (module doc). No gradient to ``weight`` (the frozen target head)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk):
+    def forward(ctx, hidden, weight, labels, weights, chunk):
         n = hidden.shape[0]
         ce = hidden.new_empty(n, dtype=torch.float32)
-        lse = hidden.new_empty(n, dtype=torch.float32)
         pred = labels.new_empty(n)
+        grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for s in range(0, n, chunk):
             e = s + chunk
-            ce[s:e], pred[s:e], lse[s:e] = hard_ce_stats(hidden[s:e].to(weight.dtype) @ weight.T, labels[s:e])
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk = chunk
-        ctx.mark_non_differentiable(pred)
-        return ce, pred
+            logits = hidden[s:e].to(weight.dtype) @ weight.T
+            ce[s:e], pred[s:e], lse = hard_ce_stats(logits, labels[s:e])
+            if grad is not None:
+                grad[s:e] = (hard_ce_grad(logits, lse, labels[s:e], weights[s:e]).to(weight.dtype) @ weight).to(hidden.dtype)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(ce, pred)
+        return (ce * weights).sum(), ce, pred
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_pred):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        grad = torch.empty_like(hidden)
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            e = s + ctx.chunk
-            dlogits = hard_ce_grad(hidden[s:e].to(weight.dtype) @ weight.T, lse[s:e], labels[s:e], grad_ce[s:e])
-            grad[s:e] = (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
-        return grad, None, None, None
+    def backward(ctx, grad_loss, _grad_ce, _grad_pred):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
