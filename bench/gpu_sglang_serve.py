@@ -1,7 +1,7 @@
 """Our export, served by the real SGLang: its acceptance length beside our evaluator's, same prompts.
 
     python bench/gpu_sglang_serve.py --target TARGET_DIR --draft EXPORT_DIR --prompts prompts.jsonl \
-        --max-new-tokens 64 --num-steps 3 --out DIR          # on a GPU node with sglang==0.5.14
+        --max-new-tokens 64 [--num-steps 3] --out DIR        # on a GPU node with sglang==0.5.14
 
 ``--prompts``: JSONL of ``{"prompt_ids": [...]}`` (token ids ending with the generation prompt;
 ``--write-prompts`` makes it from a run config's held-out split on a CPU machine). Both sides
@@ -9,10 +9,15 @@ decode greedily with chain drafting (topk 1, ``num_steps`` draft tokens per veri
 ``ignore_eos``):
 
 - ours: ``decoding.measure.measure_acceptance`` with the target in transformers (bf16 on the GPU);
-- SGLang: ``sglang.Engine(model_path=TARGET, speculative_algorithm="EAGLE3",
-  speculative_draft_model_path=EXPORT, speculative_num_steps=k, speculative_eagle_topk=1,
-  speculative_num_draft_tokens=k+1)``; its ``meta_info["spec_verify_ct"]`` summed over the
-  prompts is its verify passes, and τ = (completion tokens − prompts) / verify passes, our count.
+- SGLang, by the export's family: an EAGLE3 draft (EAGLE-3.1's ``fc_norm`` and ``norm_output``
+  included: 0.5.14's ``llama_eagle3.py`` reads both) as ``sglang.Engine(model_path=TARGET,
+  speculative_algorithm="EAGLE3", speculative_draft_model_path=EXPORT, speculative_num_steps=k,
+  speculative_eagle_topk=1, speculative_num_draft_tokens=k+1)``; a DFlash draft as
+  ``speculative_algorithm="DFLASH", speculative_num_draft_tokens=block_size`` (its verify window;
+  ``--num-steps`` defaults to ``block_size − 1`` then, our decoding's natural setting). DFlash2 and
+  DSpark drafts are refused: 0.5.14 has neither (its ``models/dflash.py`` has no convolution or
+  selector, and there is no DSPARK algorithm). Its ``meta_info["spec_verify_ct"]`` summed over
+  the prompts is its verify passes, and τ = (completion tokens − prompts) / verify passes, our count.
 
 Prints both τ and their ratio (the check passes within 5 %) as ``RESULT {json}`` and writes
 ``DIR/sglang_serve.json``. In bf16 SGLang's speculative output can differ from its own plain
@@ -58,11 +63,32 @@ def ours(target: str, draft: str, prompts: list[list[int]], k: int, new_tokens: 
     return out
 
 
-def sglang_side(target: str, draft: str, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
+def speculative_args(draft: str, k: int | None) -> tuple[dict, int]:
+    """SGLang 0.5.14's speculative engine arguments for the export at ``draft`` (module doc) and
+    the draft tokens per verify pass both sides use (``k``, or the family's natural setting)."""
+    from specforge_core.drafts import family_of_files
+
+    family = family_of_files(draft)
+    config = json.loads((Path(draft) / "config.json").read_text())
+    if family.name == "eagle3":
+        k = k or 3
+        return dict(speculative_algorithm="EAGLE3", speculative_num_steps=k, speculative_eagle_topk=1,
+                    speculative_num_draft_tokens=k + 1), k
+    dflash = config.get("dflash_config") or {}
+    if family.name != "dflash" or any(key in dflash for key in ("conv_kernel_size", "selector_rank")):
+        raise SystemExit(f"{draft}: a {config.get('architectures')} draft: SGLang 0.5.14 serves EAGLE3 "
+                         "(EAGLE-3.1 included) and DFlash exports only")
+    block = int(config.get("block_size") or dflash.get("block_size"))
+    k = k or block - 1
+    if k > block - 1:
+        raise SystemExit(f"--num-steps {k}: a block of {block} drafts at most {block - 1} tokens")
+    return dict(speculative_algorithm="DFLASH", speculative_num_draft_tokens=block), k
+
+
+def sglang_side(target: str, draft: str, prompts: list[list[int]], spec: dict, new_tokens: int) -> dict:
     import sglang
 
-    engine = sglang.Engine(model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
-                           speculative_num_steps=k, speculative_eagle_topk=1, speculative_num_draft_tokens=k + 1,
+    engine = sglang.Engine(model_path=target, speculative_draft_model_path=draft, **spec,
                            attention_backend="triton", skip_tokenizer_init=True, disable_cuda_graph=True,
                            sampling_backend="pytorch", dtype="bfloat16", mem_fraction_static=0.5)
     try:
@@ -85,7 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft")
     ap.add_argument("--prompts")
     ap.add_argument("--limit", type=int, default=24)
-    ap.add_argument("--num-steps", type=int, default=3)
+    ap.add_argument("--num-steps", type=int, default=None,
+                    help="draft tokens per verify pass (default: 3 for EAGLE3, block_size - 1 for DFlash)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default="/tmp/sglang-serve")
     args = ap.parse_args(argv)
@@ -93,10 +120,11 @@ def main(argv=None) -> int:
         write_prompts(*args.write_prompts, args.limit)
         return 0
     prompts = [json.loads(x)["prompt_ids"] for x in Path(args.prompts).read_text().splitlines()][: args.limit]
-    mine = ours(args.target, args.draft, prompts, args.num_steps, args.max_new_tokens)
-    theirs = sglang_side(args.target, args.draft, prompts, args.num_steps, args.max_new_tokens)
+    spec, k = speculative_args(args.draft, args.num_steps)
+    mine = ours(args.target, args.draft, prompts, k, args.max_new_tokens)
+    theirs = sglang_side(args.target, args.draft, prompts, spec, args.max_new_tokens)
     ratio = theirs["acceptance_length"] / mine["acceptance_length"]
-    result = {"prompts": len(prompts), "num_steps": args.num_steps, "max_new_tokens": args.max_new_tokens,
+    result = {"prompts": len(prompts), "sglang_args": spec, "num_steps": k, "max_new_tokens": args.max_new_tokens,
               "ours": {k: mine[k] for k in ("acceptance_length", "verify_passes", "generated_tokens", "wall_s")},
               "sglang": theirs, "sglang_over_ours": round(ratio, 4), "ok": abs(ratio - 1) <= 0.05}
     print("RESULT " + json.dumps(result), flush=True)
