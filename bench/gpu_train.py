@@ -97,6 +97,15 @@ def sharegpt_like_rows(n: int, vocab: int, seed: int, max_length: int = 4096) ->
     return rows
 
 
+def fixed_length_rows(n: int, vocab: int, seed: int, length: int) -> list[dict]:
+    """``n`` prompt rows of exactly ``length`` tokens each, the first quarter prompt
+    (``--sample-length``: the long-context curve)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = length // 4
+    return [{"input_ids": torch.randint(3, vocab, (length,), generator=g).tolist(),
+             "loss_mask": [0] * prompt + [1] * (length - prompt)} for _ in range(n)]
+
+
 def gib(n_bytes: float) -> float:
     return n_bytes / 2**30
 
@@ -315,19 +324,32 @@ class TrainLoop:
         self.d, self.loss_is_sum, self.draft = d, family.loss_is_sum, draft
         self.build_split = {"distributed": t[1] - t[0], "draft": t[2] - t[1], "step": t[3] - t[2]}
 
-    def step(self, batch) -> None:
-        """One step; its phases are named ``bench.forward/backward/optimizer`` in a profile."""
+    def step(self, batch, memory: dict | None = None) -> None:
+        """One step; its phases are named ``bench.forward/backward/optimizer`` in a profile. With
+        ``memory`` (a dict, CUDA) it records the GiB allocated when the step starts (target, draft,
+        optimizer state and the captured batch) and the peak allocated during each phase."""
         from specforge_core.loop.trainer import sum_loss_grad_scale
 
+        def mark(name):
+            if memory is not None:
+                memory[name] = gib(torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+
+        if memory is not None:
+            memory["start"] = gib(torch.cuda.memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
         with record_function("bench.forward"):
             loss, sums = self.root(batch)
+        mark("forward_peak")
         with record_function("bench.backward"):
             self.optimizer.backward(loss)
+        mark("backward_peak")
         # as the trainer does for a summed loss (DFlash): divide by the global weight
         scale = sum_loss_grad_scale(self.d, float(sums["weight_sum"]), 1) if self.loss_is_sum else None
         del loss, sums
         with record_function("bench.optimizer"):
             self.optimizer.step(scale)
+        mark("optimizer_peak")
 
 
 def dense_batch(args, backend, b, t):
@@ -760,6 +782,16 @@ def phase_train(args, backend, rows, variant: str) -> None:
         report(f"{key}_peak_allocated_gib", gib(torch.cuda.max_memory_allocated()))
         report(f"{key}_peak_reserved_gib", gib(torch.cuda.max_memory_reserved()))
     RESULTS["train_tokens_per_s"] = max(RESULTS.get("train_tokens_per_s", 0.0), tokens / seconds)
+    if args.device.type == "cuda":  # where the memory goes: one more step, phase by phase
+        stream = make_stream(args, backend, rows, batch_size=args.batch_size, token_budget=args.token_budget, steps=1)
+        torch.cuda.reset_peak_memory_stats()
+        before = gib(torch.cuda.memory_allocated())
+        batch = next(stream)
+        memory = {"capture_peak": gib(torch.cuda.max_memory_allocated()) - before}
+        loop.step(batch, memory)
+        del batch
+        for name, value in memory.items():
+            report(f"{key}_memory_{name}_gib", value)
     if args.profile and args.device.type == "cuda":  # the same loop under the profiler: capture + step
         stream = make_stream(args, backend, rows, batch_size=args.batch_size, token_budget=args.token_budget,
                              steps=warmup + 4)
@@ -842,6 +874,8 @@ def parse_args(argv=None):
                    help="compiled: the draft's norms/MLPs too; compiled-flex, compiled-flash, ...: with that attention backend")
     p.add_argument("--capture-variants", default="eager,compile", help="compile: also the target's norms/MLPs")
     p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--sample-length", type=int, default=None,
+                   help="every sample exactly this many tokens (default: ShareGPT-like lengths, 64..4096)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--family", default="eagle3", choices=["eagle3", "dflash"], help="the draft family to time")
     p.add_argument("--dflash-layers", type=int, default=5, help="DFlash draft layers (= captured target layers)")
@@ -934,7 +968,8 @@ def main(argv=None) -> None:
                  f"vocabulary at --shape {args.shape}); give a smaller --vocab-d or leave it out")
     report("config", f"batch_size={args.batch_size} token_budget={args.token_budget} ttt={args.ttt_length} "
                      f"Vd={args.vocab_d} steps={args.steps}")
-    rows = sharegpt_like_rows(args.samples, backend.vocab_size, args.seed)
+    rows = (fixed_length_rows(args.samples, backend.vocab_size, args.seed, args.sample_length) if args.sample_length
+            else sharegpt_like_rows(args.samples, backend.vocab_size, args.seed))
     report("mean_sample_tokens", sum(len(r["input_ids"]) for r in rows) / len(rows))
     # Eager first, then the peer, then the compiled variants: a slow compile cannot cost the baseline.
     steps = [("refs", lambda: phase_refs(args, backend.model)),
