@@ -27,7 +27,8 @@ apply on top).
 on this machine, from the target's config.json alone — topology, draft config, plan, SGLang engine
 arguments and pools, a memory estimate per GPU — through the checks the launch runs, prints the
 layout and one JSON line, and refuses a broken layout as the launch would (exit code 2, the field
-and the fix). ``launch/dry_run.py`` says what it checks, where the dataset size comes from
+and the fix), and a layout whose memory estimate exceeds ``--gpu-gib`` or the visible GPU (the layout is printed,
+then the error names the field behind the largest part and how to lower it). ``launch/dry_run.py`` says what it checks, where the dataset size comes from
 (``--rows``, the manifest's prompt cache, or the rows of ``data.train_files`` counted) and the
 memory formula.
 """
@@ -94,6 +95,9 @@ def print_dry_run(args) -> int:
         report = dry_run(cfg, dataset, world_size=world, plan_path=args.plan, checked=checked,
                          gpu_bytes=None if args.gpu_gib is None else int(args.gpu_gib * GIB))
         print("\n".join(report.lines()), flush=True)
+        refusal = report.refusal(cfg)
+        if refusal is not None:
+            raise refusal
         return report.as_dict()
 
     return run_command(body)

@@ -202,6 +202,9 @@ def dry_run_layout(config: RunConfig, prompt_cache: StageOutput, plan: StageOutp
         markdown="## Dry run: the layout train would launch\n\n```\n" + "\n".join(report.lines()) + "\n```\n",
         description="topology, plan, SGLang pools and the memory estimate per GPU; nothing was launched",
     )
+    refusal = report.refusal(config)
+    if refusal is not None:
+        raise refusal
     return report.as_dict()
 
 

@@ -138,6 +138,7 @@ class DryRunReport:
     tokens: dict[str, Any]  # per rank per micro-step: max, mean (plan basis only), basis
     memory: dict[str, int]  # part -> bytes, and "peak"
     gpu_bytes: int
+    gpu_known: bool = True  # given (--gpu-gib) or the visible GPU's; False: the default stands in
     sglang: dict[str, Any] | None = None
     unresolved: list[str] = field(default_factory=list)
 
@@ -192,13 +193,38 @@ class DryRunReport:
         parts = " + ".join(f"{k} {v / GIB:.1f}" for k, v in self.memory.items() if k != "peak")
         out.append(f"memory per GPU (estimate, GiB, at {tok['max']} tokens per micro-step): {parts} = "
                    f"{self.memory['peak'] / GIB:.1f} of {self.gpu_bytes / GIB:.0f}")
-        if not self.fits:
-            largest = max((k for k in self.memory if k != "peak"), key=self.memory.get)
-            out.append(f"warning: the estimate exceeds the GPU's memory (largest part: {largest}): lower "
-                       "training.batch_size or data.max_length (activations and features grow with the tokens per "
-                       "micro-step), or shard the target (capture.backend=sglang, a larger capture.tp_size)")
+        if not self.fits and not self.gpu_known:
+            out.append(f"warning: the estimate exceeds {self.gpu_bytes / GIB:.0f} GiB, the size assumed without a "
+                       "GPU here: give --gpu-gib to have a layout that does not fit refused")
         out += [f"unresolved: {u}" for u in self.unresolved]
         return out
+
+    def refusal(self, cfg) -> ConfigError | None:
+        """The error that refuses a layout whose estimate exceeds the GPU (None when it fits),
+        naming the field that drives its largest part and the ways to lower it. Only against a
+        known GPU size (``gpu_known``), and never for a run captured on the CPU."""
+        if self.fits or not self.gpu_known or cfg.capture.device == "cpu":
+            return None
+        parts = {k: v for k, v in self.memory.items() if k != "peak"}
+        largest = max(parts, key=parts.get)
+        engine = "capture.backend=sglang with a larger capture.tp_size"
+        tokens = self.tokens["max"]
+        if largest in ("activations", "features"):
+            where = "training.token_budget" if cfg.training.token_budget is not None else "data.max_length"
+            fix = (f"lower data.max_length, training.batch_size or training.token_budget (each micro-step holds "
+                   f"up to {tokens} tokens and its {largest} grow with them)")
+            if self.family in ("dflash", "dspark"):
+                fix += f", or draft.{self.family}.num_anchors (the block queries of each sample)"
+            fix += f"; or make room by sharding the target ({engine})"
+        elif largest in ("target", "kv_pool"):
+            where, fix = "capture.tp_size", f"shard the target: {engine}" + (" (or lower capture.sglang.mem_fraction_static)"
+                                                     if largest == "kv_pool" else "")
+        else:
+            where, fix = "draft", "train a smaller draft (fewer layers, a smaller draft vocabulary), or more ranks"
+        return ConfigError(
+            f"the memory estimate, {self.memory['peak'] / GIB:.1f} GiB per GPU, exceeds the GPU's "
+            f"{self.gpu_bytes / GIB:.0f} GiB (largest part: {largest}, {parts[largest] / GIB:.1f} GiB)",
+            where=where, fix=fix)
 
 
 def default_gpu_bytes() -> int:
@@ -251,7 +277,8 @@ def dry_run(cfg, dataset: DatasetSize, *, world_size: int | None = None, gpu_byt
     memory["peak"] = sum(memory.values())
     return DryRunReport(topology=topology, plan=plan, dataset=dataset, family=family.name, layer_ids=checked.layer_ids,
                         draft_params={"trainable_params": trainable, "frozen_params": frozen}, tokens=tokens,
-                        memory=memory, gpu_bytes=gpu, sglang=sglang, unresolved=unresolved)
+                        memory=memory, gpu_bytes=gpu, gpu_known=gpu_bytes is not None or torch.cuda.is_available(),
+                        sglang=sglang, unresolved=unresolved)
 
 
 def _with_stand_ins(cfg, fields: tuple[str, ...]):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from fixtures.gpu_targets import TARGET_CONFIGS, write_target_config
@@ -269,3 +270,23 @@ def test_every_recipe_header_labels_its_figures_measured_or_projected():
         assert ("MEASURED" in speed or "PROJECTED" in speed) and "GiB" in memory, recipe.name
         assert "MEASURED" in memory or "PROJECTED" in memory, recipe.name
         assert yaml.safe_load(text)["model"]["target"].startswith("/models/")
+
+
+def test_a_length_the_gpu_cannot_hold_is_refused_naming_max_length_and_the_fixes(targets, capsys):
+    recipe = ROOT / "examples" / "gpu" / "qwen3-8b-1gpu.yaml"
+    args = recipe_args(recipe, targets, "data.max_length=32768", "training.token_budget=null")
+    code, lines, err = run_dry(capsys, "--rows", "1000", "--gpu-gib", "80", *args)
+    assert code == 2
+    assert any(line.startswith("memory per GPU") for line in lines)  # the layout is shown first
+    assert "error: data.max_length: the memory estimate" in err and "exceeds the GPU's 80 GiB" in err
+    assert "lower data.max_length" in err and "capture.tp_size" in err
+    assert run_dry(capsys, "--rows", "1000", "--gpu-gib", "140", *recipe_args(recipe, targets))[0] == 0  # its GPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a visible GPU gives the size")
+def test_without_a_gpu_size_an_excess_is_only_a_warning(targets, capsys):
+    recipe = ROOT / "examples" / "gpu" / "qwen3-8b-1gpu.yaml"  # 125.9 GiB at its bound: an H200 recipe
+    code, lines, err = run_dry(capsys, "--rows", "1000", *recipe_args(recipe, targets))
+    assert code == 0, err
+    assert any(line.startswith("warning: the estimate exceeds 80 GiB") and "--gpu-gib" in line for line in lines)
+    assert json.loads(lines[-1])["memory"]["fits"] is False
