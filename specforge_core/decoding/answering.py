@@ -10,6 +10,15 @@ exactly as the prompt cache renders training rows; the target answers it (greedy
 conversation format the data stage reads. Resumable: ids already in ``out`` are skipped, so an
 interrupted run continues where it stopped (a torn last line is dropped). Returns the counts and
 throughput. ``python -m specforge_core.regenerate`` is the command.
+
+Two engines answer, with the same output: ``hf`` (transformers' ``generate``, any device; the
+default) and ``sglang`` (an in-process ``sglang.Engine`` on GPUs, which schedules each batch of
+prompts itself: give it large batches). SGLang's engine is started with the target, no tokenizer
+(``skip_tokenizer_init``: prompts go in as ids, answers come back as ids and are decoded here with
+the run's tokenizer), ``capture.tp_size`` and the engine settings of ``capture.sglang``; its
+contract, as SGLang 0.5.14 keeps it: ``generate(input_ids=[...], sampling_params={...})`` returns
+one dict per prompt, in order, with ``output_ids`` (the matched stop token included) and
+``meta_info["finish_reason"]`` (``{"type": "stop", "matched": id}`` or ``{"type": "length"}``).
 """
 
 import json
@@ -21,7 +30,9 @@ import torch
 from specforge_core.data.formats import BadRow, Row, detect_format, iter_records, parse_record
 from specforge_core.data.tokenize import ChatRenderer
 from specforge_core.errors import DataError
-from specforge_core.decoding.verifier import load_target, stop_token_ids
+from specforge_core.decoding.verifier import load_target, stop_ids_of, stop_token_ids
+
+ENGINES = ("hf", "sglang")
 
 
 def prompt_messages(row: Row) -> list[dict] | None:
@@ -93,19 +104,83 @@ def answer_batch(model, tok, prompts: list[list[int]], *, max_new_tokens: int, s
     return answers
 
 
+def sglang_answers(outputs: list[dict], stop_ids: set[int]) -> list[tuple[list[int], bool]]:
+    """``answer_batch``'s (answer ids up to and incl. the stop token, stopped) of SGLang's
+    ``generate`` outputs (module doc)."""
+    answers = []
+    for output in outputs:
+        ids = list(output["output_ids"])
+        cut = next((i + 1 for i, t in enumerate(ids) if t in stop_ids), None)
+        answers.append((ids[:cut] if cut else ids, cut is not None))
+    return answers
+
+
+def sglang_engine_kwargs(cfg, seed: int) -> dict:
+    """``sglang.Engine`` keyword arguments for answering with the run's target (module doc)."""
+    s = cfg.capture.sglang
+    kwargs = {"model_path": cfg.model.target, "skip_tokenizer_init": True, "tp_size": cfg.capture.tp_size,
+              "dtype": cfg.model.dtype, "trust_remote_code": cfg.model.trust_remote_code, "random_seed": seed,
+              "mem_fraction_static": s.mem_fraction_static, "attention_backend": s.attention_backend,
+              "context_length": s.context_length, **s.extra}
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+class _Answerers:
+    """Each engine's ``(answer(prompts, **sampling) -> answers, close())`` and the stop ids."""
+
+    @staticmethod
+    def hf(cfg, tok, end_of_turn, seed, engine_factory):
+        model, _ = load_target(cfg)
+        torch.manual_seed(seed)
+
+        def answer(prompts, **sampling):
+            return answer_batch(model, tok, prompts, **sampling)
+
+        return answer, (lambda: None), stop_token_ids(model, tok, end_of_turn)
+
+    @staticmethod
+    def sglang(cfg, tok, end_of_turn, seed, engine_factory):
+        from transformers import GenerationConfig
+
+        try:
+            generation = GenerationConfig.from_pretrained(cfg.model.target)
+        except OSError:  # no generation_config.json: the tokenizer's eos and the template's end
+            generation = None
+        stops = stop_ids_of(generation, tok, end_of_turn)
+        if engine_factory is None:
+            try:
+                import sglang
+            except ImportError:
+                raise DataError("SGLang is not installed in this environment", where="--engine sglang",
+                                fix="install sglang on the GPU node (docs/gpu.md), or use --engine hf") from None
+            engine_factory = sglang.Engine
+        engine = engine_factory(**sglang_engine_kwargs(cfg, seed))
+
+        def answer(prompts, *, max_new_tokens, stop_ids, temperature, top_p):
+            params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                      "stop_token_ids": sorted(stop_ids)}
+            return sglang_answers(engine.generate(input_ids=prompts, sampling_params=params), stop_ids)
+
+        return answer, engine.shutdown, stops
+
+
 def regenerate(cfg, out: Path, *, files: list[str] | None = None, batch_size: int = 16,
                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, limit: int | None = None) -> dict:
-    """Answer every pending prompt of ``files`` (default ``data.train_files``) into ``out``."""
+               seed: int = 0, limit: int | None = None, engine: str = "hf", engine_factory=None) -> dict:
+    """Answer every pending prompt of ``files`` (default ``data.train_files``) into ``out`` with
+    ``engine`` (``hf`` or ``sglang``; ``engine_factory`` stands in for ``sglang.Engine``)."""
+    from specforge_core.data.tokenize import load_tokenizer
+
+    if engine not in ENGINES:
+        raise DataError(f"unknown engine {engine!r}", where="--engine", fix=f"use one of {', '.join(ENGINES)}")
     files = files or cfg.data.train_files
     if not files:
         raise DataError("no source conversations to answer", where="data.train_files",
                         fix="set data.train_files or pass --input FILE")
     out.parent.mkdir(parents=True, exist_ok=True)
     done = written_ids(out)
-    model, tok = load_target(cfg)
+    tok = load_tokenizer(cfg)
     renderer = ChatRenderer(tok, template_kwargs=cfg.data.chat_template_kwargs)  # as the training data renders
-    stops = stop_token_ids(model, tok, renderer.end_of_turn)
     todo, bad = pending_prompts(cfg, files, done, len(tok), limit)
     rendered = []
     too_long = 0
@@ -116,26 +191,30 @@ def regenerate(cfg, out: Path, *, files: list[str] | None = None, batch_size: in
             continue
         rendered.append((row_id, turns, tools, ids))
     rendered.sort(key=lambda r: len(r[3]))  # similar lengths per batch: less padding
-    torch.manual_seed(seed + len(done))
+    answer, close, stops = getattr(_Answerers, engine)(cfg, tok, renderer.end_of_turn, seed + len(done),
+                                                       engine_factory)
     written = tokens = stopped = 0
     start = time.perf_counter()
-    with open(out, "a", encoding="utf-8") as f:
-        for b in range(0, len(rendered), batch_size):
-            batch = rendered[b : b + batch_size]
-            answers = answer_batch(model, tok, [r[3] for r in batch], max_new_tokens=max_new_tokens,
-                                   stop_ids=stops, temperature=temperature, top_p=top_p)
-            for (row_id, turns, tools, _), (ans, hit_stop) in zip(batch, answers):
-                content = tok.decode(ans, skip_special_tokens=True)
-                row = {"id": row_id, "conversations": turns + [{"role": "assistant", "content": content}]}
-                if tools:
-                    row["tools"] = tools
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                written += 1
-                tokens += len(ans)
-                stopped += hit_stop
-            f.flush()
+    try:
+        with open(out, "a", encoding="utf-8") as f:
+            for b in range(0, len(rendered), batch_size):
+                batch = rendered[b : b + batch_size]
+                answers = answer([r[3] for r in batch], max_new_tokens=max_new_tokens, stop_ids=stops,
+                                 temperature=temperature, top_p=top_p)
+                for (row_id, turns, tools, _), (ans, hit_stop) in zip(batch, answers):
+                    content = tok.decode(ans, skip_special_tokens=True)
+                    row = {"id": row_id, "conversations": turns + [{"role": "assistant", "content": content}]}
+                    if tools:
+                        row["tools"] = tools
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    written += 1
+                    tokens += len(ans)
+                    stopped += hit_stop
+                f.flush()
+    finally:
+        close()
     seconds = time.perf_counter() - start
-    return {"out": str(out), "written": written, "already_written": len(done), "skipped_too_long": too_long,
+    return {"out": str(out), "engine": engine, "written": written, "already_written": len(done), "skipped_too_long": too_long,
             "skipped_bad_rows": bad,
             "answer_tokens": tokens, "ended_on_end_of_turn": stopped, "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None}

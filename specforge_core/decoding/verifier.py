@@ -196,12 +196,18 @@ def load_target(cfg):
 
 
 def stop_token_ids(model, tokenizer, end_of_turn: str | None = None) -> set[int]:
-    """End-of-turn ids: the tokenizer's eos, every eos id of the generation config, and the chat
-    template's end-of-turn token (``data.tokenize.ChatRenderer.end_of_turn``) when given."""
+    """End-of-turn ids: the tokenizer's eos, every eos id of the model's generation config, and the
+    chat template's end-of-turn token (``data.tokenize.ChatRenderer.end_of_turn``) when given."""
+    return stop_ids_of(model.generation_config, tokenizer, end_of_turn)
+
+
+def stop_ids_of(generation_config, tokenizer, end_of_turn: str | None = None) -> set[int]:
+    """:func:`stop_token_ids` from a generation config (``transformers.GenerationConfig``, or None),
+    for a target served by another engine than transformers."""
     ids: set[int] = set()
     if end_of_turn is not None:
         ids.add(tokenizer.convert_tokens_to_ids(end_of_turn))
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
         if source is None:
             continue
         ids.update(source if isinstance(source, (list, tuple)) else [source])

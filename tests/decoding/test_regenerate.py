@@ -143,3 +143,35 @@ def test_the_prompt_is_rendered_with_the_chat_template_kwargs(tiny_target_dir, t
         want[f"q{i}"] = tiny_tokenizer.decode(tokens, skip_special_tokens=True)
     assert answers({"enable_thinking": False}) == want
     assert answers({}) != want
+
+
+def test_the_sglang_engine_writes_the_same_greedy_answers_as_hf(cfg, tmp_path):
+    from fixtures.fake_sglang import FakeSGLangGenerator
+
+    engines = []
+
+    def start(**kwargs):
+        engines.append(FakeSGLangGenerator(**kwargs))
+        return engines[-1]
+
+    hf, sglang = tmp_path / "hf.jsonl", tmp_path / "sglang.jsonl"
+    regenerate(cfg, hf, batch_size=4, max_new_tokens=12)
+    result = regenerate(cfg, sglang, batch_size=4, max_new_tokens=12, engine="sglang", engine_factory=start)
+    assert result["engine"] == "sglang" and result["written"] == len(QUESTIONS) and result["tokens_per_s"] > 0
+    assert _rows(sglang) == _rows(hf)
+    [engine] = engines
+    assert engine.kwargs["skip_tokenizer_init"] is True and engine.kwargs["model_path"] == cfg.model.target
+    assert engine.kwargs["tp_size"] == cfg.capture.tp_size and engine.closed
+    again = regenerate(cfg, sglang, batch_size=4, max_new_tokens=12, engine="sglang", engine_factory=start)
+    assert again["written"] == 0 and again["already_written"] == len(QUESTIONS)  # resumable as hf is
+
+
+def test_without_sglang_installed_the_sglang_engine_is_refused_naming_the_option(cfg, tmp_path):
+    try:
+        import sglang  # noqa: F401
+        pytest.skip("sglang is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(DataError, match="SGLang is not installed") as e:
+        regenerate(cfg, tmp_path / "out.jsonl", engine="sglang")
+    assert e.value.where == "--engine sglang"
