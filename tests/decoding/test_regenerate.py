@@ -175,3 +175,14 @@ def test_without_sglang_installed_the_sglang_engine_is_refused_naming_the_option
     with pytest.raises(DataError, match="SGLang is not installed") as e:
         regenerate(cfg, tmp_path / "out.jsonl", engine="sglang")
     assert e.value.where == "--engine sglang"
+
+
+def test_the_regeneration_bench_counts_same_answers_and_where_the_others_part(tiny_tokenizer):
+    from tests.bench_scripts import load_bench
+
+    bench = load_bench("gpu_regenerate")
+    ours = {"a": "the cat sat", "b": "the cat ran far", "c": "hello"}
+    reference = {"a": "the cat sat", "b": "the cat sat down", "c": "hello"}
+    got = bench.compare(tiny_tokenizer, ours, reference)
+    parted = len(tiny_tokenizer("the cat", add_special_tokens=False)["input_ids"])
+    assert got == {"compared": 3, "same": 2, "differ": 1, "first_difference_at_tokens": [parted]}
