@@ -42,6 +42,7 @@ from specforge_core.drafts.dflash.inputs import check_batch
 from specforge_core.drafts.dflash.inputs import field as batch_field
 from specforge_core.drafts.dflash.objective import DFlashBlocks, attend_blocks, build_blocks
 from specforge_core.drafts.vocab.soft_target_ce import soft_target_terms
+from specforge_core.drafts.vocab import kernels as vocab_kernels
 from specforge_core.drafts.vocab.teacher import compute_teacher, softmax_from_lse
 from specforge_core.errors import ConfigError, ModelError
 
@@ -163,8 +164,11 @@ def draft_slots(draft, batch, *, embed_weight, lm_head_weight, num_anchors: int,
 
 def teacher_entropy(teacher: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """``H(p) = lse - Σ_v p_v t_v`` per row of ``teacher [N, V]`` given its fp32 logsumexp (no
-    gradient; rows in blocks, so the fp32 temporaries stay small)."""
-    rows = max(1, (1 << (26 if teacher.is_cuda else 22)) // teacher.shape[-1])
+    gradient; rows in blocks, so the fp32 temporaries stay small; on CUDA one Triton pass over
+    the rows, ``vocab/kernels.row_entropy``)."""
+    if vocab_kernels.usable(teacher):
+        return vocab_kernels.row_entropy(teacher, lse)
+    rows = max(1, (1 << 22) // teacher.shape[-1])
     out = torch.empty_like(lse)
     with torch.no_grad():
         for r in range(0, teacher.shape[0], rows):

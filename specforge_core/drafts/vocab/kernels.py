@@ -25,6 +25,8 @@ rescaled sum of exponentials, so a row's logsumexp and argmax come from one read
   hard-target cross-entropy's forward pass (``dflash/fast/chunked_ce.hard_ce_stats``).
 - :func:`hard_ce_backward_` (``dflash/fast/chunked_ce.hard_ce_grad``): ``grad·(softmax − onehot)``
   of a hard target, written over the logits in their dtype.
+- :func:`row_entropy` (``dspark/objective.teacher_entropy``): each row's entropy given its
+  logsumexp, ``lse − Σ softmax·logit``.
 
 Inductor's kernels for the same passes read each row two or three times; these read it once.
 
@@ -121,6 +123,17 @@ def hard_ce_backward_(logits, lse, label, grad):
         _hard_ce_backward_kernel[(n,)](logits, logits.stride(0), lse.float().contiguous(), label.contiguous(),
                                        grad.float().contiguous(), vocab, BLOCK=_block(vocab), num_warps=WARPS)
     return logits
+
+
+def row_entropy(logits, lse):
+    """The entropy ``lse − Σ exp(logit − lse)·logit`` of each row of ``logits [N, V]`` (fp32) from
+    one read of it, as ``dspark/objective.teacher_entropy``."""
+    n, vocab = logits.shape
+    out = _rows(n, logits.device)
+    if n:
+        _row_entropy_kernel[(n,)](logits, logits.stride(0), lse.float().contiguous(), out, vocab,
+                                  BLOCK=_block(vocab), num_warps=WARPS)
+    return out
 
 
 if triton is not None:
@@ -260,3 +273,17 @@ if triton is not None:
             x = tl.load(x_row + cols, mask=inside, other=0.0).to(tl.float32)
             d = coef * (tl.exp(x - row_lse) - tl.where(cols == lab, 1.0, 0.0))
             tl.store(x_row + cols, d.to(logits.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _row_entropy_kernel(logits, stride_l, lse, out, vocab: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        row_lse = tl.load(lse + row)
+        x_row = logits + row * stride_l
+        lanes = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + lanes
+            inside = cols < vocab
+            x = tl.load(x_row + cols, mask=inside, other=0.0).to(tl.float32)
+            acc += tl.where(inside, tl.exp(x - row_lse) * x, 0.0)
+        tl.store(out + row, row_lse - tl.sum(acc, axis=0))

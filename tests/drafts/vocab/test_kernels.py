@@ -103,3 +103,17 @@ def test_the_hard_target_kernels_give_the_cross_entropy_argmax_and_gradient(voca
     assert out.dtype == dtype and (out[7] == 0).all()
     tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-5)
     torch.testing.assert_close(out.cpu(), want_grad, **tol)
+
+
+@pytest.mark.parametrize("vocab", [300, 5000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_entropy_kernel_gives_the_teachers_entropy(vocab, dtype):
+    from specforge_core.drafts.dspark.objective import teacher_entropy
+
+    g = torch.Generator().manual_seed(vocab)
+    teacher = (torch.randn(13, vocab, generator=g) * 3).to(dtype)
+    lse = torch.logsumexp(teacher.float(), -1)
+    want = teacher_entropy(teacher, lse)  # CPU tensors: the torch blocks
+    got = vocab_kernels.row_entropy(teacher.to(DEVICE), lse.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-4)
+    assert (got > 0).all()
