@@ -53,8 +53,9 @@ from specforge_core.errors import CaptureError
 SGLANG_VERSION = "0.5.14"
 
 
-def require_sglang() -> None:
-    """Check the installed SGLang is the pinned version, without importing it; CaptureError says what to do."""
+def require_sglang(where: str = "capture.backend=sglang", instead: str = "set capture.backend=hf") -> None:
+    """Check the installed SGLang is the pinned version, without importing it; CaptureError says
+    what to do (``where`` the option that asked for SGLang, ``instead`` the way around it)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -62,15 +63,24 @@ def require_sglang() -> None:
     except PackageNotFoundError:
         raise CaptureError(
             "sglang is not installed in this environment",
-            where="capture.backend=sglang",
-            fix=f"pip install -e '.[sglang]' (sglang=={SGLANG_VERSION}) on the GPU nodes, or set capture.backend=hf",
+            where=where,
+            fix=f"pip install -e '.[sglang]' (sglang=={SGLANG_VERSION}) on the GPU nodes, or {instead}",
         ) from None
     if found != SGLANG_VERSION:
         raise CaptureError(
             f"sglang {found} is installed; the capture seam is written for {SGLANG_VERSION}",
-            where="capture.backend=sglang (specforge_core/capture/sglang_engine.py)",
-            fix=f"pip install sglang=={SGLANG_VERSION} (the [sglang] extra), or set capture.backend=hf",
+            where=f"{where} (specforge_core/capture/sglang_engine.py)",
+            fix=f"pip install sglang=={SGLANG_VERSION} (the [sglang] extra), or {instead}",
         )
+
+
+def start_generation_engine(**kwargs):
+    """``sglang.Engine(**kwargs)``, the pinned version checked first: the generating engine
+    ``regenerate --engine sglang`` answers with (``decoding/answering.py`` states its contract)."""
+    require_sglang(where="--engine sglang", instead="use --engine hf")
+    import sglang
+
+    return sglang.Engine(**kwargs)
 
 
 @contextlib.contextmanager

@@ -148,12 +148,7 @@ class _Answerers:
             generation = None
         stops = stop_ids_of(generation, tok, end_of_turn)
         if engine_factory is None:
-            try:
-                import sglang
-            except ImportError:
-                raise DataError("SGLang is not installed in this environment", where="--engine sglang",
-                                fix="install sglang on the GPU node (docs/gpu.md), or use --engine hf") from None
-            engine_factory = sglang.Engine
+            from specforge_core.capture.sglang_engine import start_generation_engine as engine_factory
         engine = engine_factory(**sglang_engine_kwargs(cfg, seed))
 
         def answer(prompts, *, max_new_tokens, stop_ids, temperature, top_p):

@@ -167,14 +167,15 @@ def test_the_sglang_engine_writes_the_same_greedy_answers_as_hf(cfg, tmp_path):
 
 
 def test_without_sglang_installed_the_sglang_engine_is_refused_naming_the_option(cfg, tmp_path):
-    try:
-        import sglang  # noqa: F401
+    from importlib.util import find_spec
+
+    from specforge_core.errors import CaptureError
+
+    if find_spec("sglang") is not None:
         pytest.skip("sglang is installed here")
-    except ImportError:
-        pass
-    with pytest.raises(DataError, match="SGLang is not installed") as e:
+    with pytest.raises(CaptureError, match="sglang is not installed") as e:
         regenerate(cfg, tmp_path / "out.jsonl", engine="sglang")
-    assert e.value.where == "--engine sglang"
+    assert e.value.where == "--engine sglang" and "--engine hf" in e.value.fix
 
 
 def test_the_regeneration_bench_counts_same_answers_and_where_the_others_part(tiny_tokenizer):
