@@ -95,9 +95,7 @@ def print_dry_run(args) -> int:
         report = dry_run(cfg, dataset, world_size=world, plan_path=args.plan, checked=checked,
                          gpu_bytes=None if args.gpu_gib is None else int(args.gpu_gib * GIB))
         print("\n".join(report.lines()), flush=True)
-        refusal = report.refusal(cfg)
-        if refusal is not None:
-            raise refusal
+        report.check_fits(cfg)
         return report.as_dict()
 
     return run_command(body)

@@ -202,9 +202,7 @@ def dry_run_layout(config: RunConfig, prompt_cache: StageOutput, plan: StageOutp
         markdown="## Dry run: the layout train would launch\n\n```\n" + "\n".join(report.lines()) + "\n```\n",
         description="topology, plan, SGLang pools and the memory estimate per GPU; nothing was launched",
     )
-    refusal = report.refusal(config)
-    if refusal is not None:
-        raise refusal
+    report.check_fits(config)
     return report.as_dict()
 
 

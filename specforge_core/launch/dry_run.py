@@ -199,12 +199,12 @@ class DryRunReport:
         out += [f"unresolved: {u}" for u in self.unresolved]
         return out
 
-    def refusal(self, cfg) -> ConfigError | None:
-        """The error that refuses a layout whose estimate exceeds the GPU (None when it fits),
-        naming the field that drives its largest part and the ways to lower it. Only against a
-        known GPU size (``gpu_known``), and never for a run captured on the CPU."""
+    def check_fits(self, cfg) -> None:
+        """Refuse (ConfigError) a layout whose estimate exceeds the GPU, naming the field that
+        drives its largest part and the ways to lower it. Only against a known GPU size
+        (``gpu_known``), and never for a run captured on the CPU."""
         if self.fits or not self.gpu_known or cfg.capture.device == "cpu":
-            return None
+            return
         parts = {k: v for k, v in self.memory.items() if k != "peak"}
         largest = max(parts, key=parts.get)
         engine = "capture.backend=sglang with a larger capture.tp_size"
@@ -221,7 +221,7 @@ class DryRunReport:
                                                      if largest == "kv_pool" else "")
         else:
             where, fix = "draft", "train a smaller draft (fewer layers, a smaller draft vocabulary), or more ranks"
-        return ConfigError(
+        raise ConfigError(
             f"the memory estimate, {self.memory['peak'] / GIB:.1f} GiB per GPU, exceeds the GPU's "
             f"{self.gpu_bytes / GIB:.0f} GiB (largest part: {largest}, {parts[largest] / GIB:.1f} GiB)",
             where=where, fix=fix)
