@@ -43,7 +43,7 @@ from specforge_core.drafts.dflash.inputs import field as batch_field
 from specforge_core.drafts.dflash.objective import DFlashBlocks, attend_blocks, build_blocks
 from specforge_core.drafts.vocab.soft_target_ce import soft_target_terms
 from specforge_core.drafts.vocab import kernels as vocab_kernels
-from specforge_core.drafts.vocab.teacher import compute_teacher, softmax_from_lse
+from specforge_core.drafts.vocab.teacher import compute_teacher, full_vocabulary, softmax_from_lse
 from specforge_core.errors import ConfigError, ModelError
 
 LOSS_TERMS = ("kl_div", "tv", "ce")
@@ -150,8 +150,7 @@ def draft_slots(draft, batch, *, embed_weight, lm_head_weight, num_anchors: int,
     with torch.no_grad():
         rows = last.gather(1, teacher_col.flatten(1)[..., None].expand(-1, -1, last.shape[-1])).flatten(0, 1)
         if W.is_cuda:  # vocabulary chunks, one pass each (the Triton kernel where it applies)
-            every = torch.ones(W.shape[0], dtype=torch.bool, device=W.device)
-            made = compute_teacher(rows, W, every, compile=False)
+            made = compute_teacher(rows, W, full_vocabulary(W.shape[0], W.device), compile=False)
             teacher, lse, argmax = made.logits, made.lse, made.argmax
         else:  # the plain loss reads the whole rows anyway: one matmul, its logsumexp and argmax
             teacher = rows.to(W.dtype) @ W.T

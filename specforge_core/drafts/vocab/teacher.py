@@ -22,6 +22,7 @@ matmul and the passes over it about 25% faster than 32k-wide blocks (SmolLM2 hea
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -74,6 +75,14 @@ def _chunk_stats_no_draft(logits: torch.Tensor):
     z = logits.float()
     top, arg = z.max(dim=-1)
     return top, arg, (z - top[:, None]).exp().sum(dim=-1).log() + top
+
+
+@lru_cache(maxsize=8)
+def full_vocabulary(vocab: int, device: torch.device) -> torch.Tensor:
+    """The all-true ``t2d`` of a teacher over the whole vocabulary, one tensor per (size, device):
+    :func:`compute_teacher` keeps its chunk layout on the map tensor, so a map made afresh every
+    step would make each step wait for the device to list it again."""
+    return torch.ones(vocab, dtype=torch.bool, device=device)
 
 
 def _vocab_chunks(t2d: torch.Tensor, vocab: int, vocab_chunk: int):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specforge_core.drafts.eagle3 import eagle3_loss
-from specforge_core.drafts.vocab.teacher import compute_teacher
+from specforge_core.drafts.vocab.teacher import compute_teacher, full_vocabulary
 from specforge_core.errors import ModelError
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
 
@@ -62,6 +62,19 @@ def test_a_map_changed_in_place_gives_the_new_maps_teacher():
     t2d.copy_(random_map(40, 12, 1))
     probs, _, _ = full_teacher(h, W, t2d)
     torch.testing.assert_close(compute_teacher(h, W, t2d, vocab_chunk=16).probs.double(), probs, atol=1e-6, rtol=1e-5)
+
+
+def test_the_whole_vocabulary_map_is_one_tensor_whose_chunk_layout_is_listed_once():
+    g = torch.Generator().manual_seed(3)
+    h, W = torch.randn(4, 8, generator=g), torch.randn(30, 8, generator=g)
+    every = full_vocabulary(30, W.device)
+    assert every is full_vocabulary(30, W.device) and bool(every.all()) and every.shape == (30,)
+    first = compute_teacher(h, W, every, vocab_chunk=7)
+    layout = every._teacher_chunks
+    second = compute_teacher(h, W, full_vocabulary(30, W.device), vocab_chunk=7)
+    assert every._teacher_chunks is layout  # a training step reuses it instead of waiting on the device
+    torch.testing.assert_close(second.logits, first.logits)
+    torch.testing.assert_close(first.logits.double(), (h @ W.T).double(), atol=1e-5, rtol=1e-5)
 
 
 def test_a_batch_carrying_its_teacher_trains_exactly_as_one_whose_unroll_makes_it():
