@@ -70,7 +70,10 @@ CPU, in fp32) is what shows both sides step the same computation. Every family p
 ``RESULT {json}`` (with ``ours_over_reference``, ours tokens/s over the reference's) and
 ``--out DIR`` writes ``DIR/families.json``; the exit status is 1 when a side failed. A side
 that runs out of ``--side-timeout`` reports the tail of its progress lines (one per warmup step).
-``BENCH_PROFILE=FILE`` with ``--side`` writes the timed steps' profiler table (CUDA time) to FILE.
+``BENCH_PROFILE=FILE`` with ``--side`` writes the timed steps' profiler table (CUDA time) to FILE;
+``BENCH_SYNC_DEBUG=FILE`` (CUDA) one more step after the timed ones under
+``torch.cuda.set_sync_debug_mode("warn")``, and writes to FILE each call site that made the host
+wait for the device, with its count (a step that waits leaves the GPU idle while it refills).
 
 ``--warm-parallel N`` first runs every family's two sides once (one step, untimed, N families at a
 time) so that torch.compile's on-disk caches (inductor's FX graph and Triton caches, shared by
@@ -189,10 +192,40 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
     if profile:
         order = "self_device_time_total" if cuda else "self_cpu_time_total"
         Path(profile).write_text(tracing.key_averages().table(sort_by=order, row_limit=40, max_name_column_width=90))
+    if cuda and os.environ.get("BENCH_SYNC_DEBUG"):
+        Path(os.environ["BENCH_SYNC_DEBUG"]).write_text(json.dumps(sync_sites(step), indent=1))
     return dict(first_loss=first, step_s=statistics.median(times), warmup_s=warm_s,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device_name=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+
+
+def sync_sites(step) -> list:
+    """``[[site, count], ...]`` of one ``step(False)`` under the sync debug mode, most frequent
+    first; a site is the innermost three frames of this project or speculators (else torch's)."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    sites = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                  if "specforge_core" in f.filename or "speculators" in f.filename]
+        sites[" < ".join(reversed(frames[-3:])) or f"{Path(filename).name}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(False)
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites.most_common()
 
 
 # ---- ours -------------------------------------------------------------------------------------------
