@@ -70,7 +70,8 @@ CPU, in fp32) is what shows both sides step the same computation. Every family p
 ``RESULT {json}`` (with ``ours_over_reference``, ours tokens/s over the reference's) and
 ``--out DIR`` writes ``DIR/families.json``; the exit status is 1 when a side failed. A side
 that runs out of ``--side-timeout`` reports the tail of its progress lines (one per warmup step).
-``BENCH_PROFILE=FILE`` with ``--side`` writes the timed steps' profiler table (CUDA time) to FILE;
+``BENCH_PROFILE=FILE`` with ``--side`` writes the timed steps' profiler table (CUDA time) to FILE
+(a folder instead of FILE, with or without ``--side``: one file per family and side in it);
 ``BENCH_SYNC_DEBUG=FILE`` (CUDA) one more step after the timed ones under
 ``torch.cuda.set_sync_debug_mode("warn")``, and writes to FILE each call site that made the host
 wait for the device, with its count (a step that waits leaves the GPU idle while it refills).
@@ -490,6 +491,10 @@ def run_reference(args, work: Path) -> dict:
 
 def child(args) -> int:
     sys.path.insert(0, str(ROOT))
+    for name in ("BENCH_PROFILE", "BENCH_SYNC_DEBUG"):  # a folder: one file per family and side
+        if os.environ.get(name) and Path(os.environ[name]).is_dir():
+            kind = "profile" if name == "BENCH_PROFILE" else "sync"
+            os.environ[name] = str(Path(os.environ[name]) / f"{kind}-{args.family}-{args.side}.{'txt' if kind == 'profile' else 'json'}")
     args.work = Path(args.work)
     out = run_ours(args, args.work) if args.side == "ours" else run_reference(args, args.work)
     (args.work / f"{args.side}.json").write_text(json.dumps(out))
