@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specforge_core.capture.base import host_masks_of, to_device
 from specforge_core.drafts.dflash import dflash2
 from specforge_core.drafts.dflash.fast.chunked_ce import target_cross_entropy
 from specforge_core.drafts.dflash.fast.flex_blocks import flex_attend, pad_for_flex, resolve_block_backend
@@ -77,6 +78,14 @@ class DFlashBlocks:
     tokens: torch.Tensor  # [b,NB,B] block input ids: [x_a, MASK, ...]
     labels: torch.Tensor  # [b,NB,B] x[a+k]
     valid: torch.Tensor  # [b,NB,B] bool: keep · inbounds · (k>0) · lm[a+k]
+    host_valid: torch.Tensor | None = None  # ``valid`` on the CPU where the layout was made there
+
+    def valid_rows(self) -> torch.Tensor:
+        """Flat indices of the ``valid`` slots, on ``valid``'s device (from ``host_valid`` when
+        there is one: listing them from the device copy would make the host wait)."""
+        if self.host_valid is None:
+            return torch.nonzero(self.valid.flatten()).flatten()
+        return to_device(torch.nonzero(self.host_valid.flatten()).flatten(), self.valid.device)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -99,14 +108,40 @@ def _sample_keys(lengths: list[int], generator: torch.Generator | None, device) 
 def build_blocks(
     batch, *, block_size: int, num_anchors: int, mask_token_id: int, generator: torch.Generator | None
 ) -> DFlashBlocks:
-    """Sample the anchors of every sample and lay their blocks out per row (module docstring)."""
+    """Sample the anchors of every sample and lay their blocks out per row (module docstring).
+
+    The layout depends on the masks alone, and its sizes on their values; where the capture kept
+    the masks on the host (``batch.host_masks``) it is worked out there and sent to the device in
+    pinned copies, so the host never waits for the device here (the anchors are the same: the
+    generator is a CPU one either way). Without host masks it is worked out from the device masks,
+    and given ``position_ids`` are checked against it."""
     ids = field(batch, "input_ids").long()
     b, t = ids.shape
-    device = ids.device
-    lm = field(batch, "loss_mask").bool() & field(batch, "attention_mask").bool()
-    ctx_sample, ctx_pos, s_row, s_start, s_len = find_samples(
-        field(batch, "attention_mask"), field(batch, "seq_ids"), field(batch, "position_ids")
-    )
+    host = host_masks_of(batch, b, t)
+    if host is None:
+        masks = [field(batch, name) for name in ("attention_mask", "loss_mask", "seq_ids", "position_ids")]
+    else:  # the capture laid the position ids out from these same samples
+        masks = [host.attention_mask, host.loss_mask, host.seq_ids, None]
+    layout = _anchor_layout(*masks, block_size=block_size, num_anchors=num_anchors, generator=generator)
+    ctx_sample, ctx_pos, sample, anchor_col, anchor_pos, keep, valid = (
+        layout if host is None else [to_device(x, ids.device) for x in layout])
+    nb = keep.shape[1]
+    tokens = torch.full((b, nb, block_size), mask_token_id, device=ids.device, dtype=torch.long)
+    tokens[..., 0] = torch.where(keep, ids.gather(1, anchor_col), mask_token_id)
+    k = torch.arange(block_size, device=ids.device)
+    labels = ids.gather(1, (anchor_col[..., None] + k).clamp(max=t - 1).flatten(1)).view(b, nb, block_size)
+    return DFlashBlocks(block_size, ctx_sample, ctx_pos, sample, anchor_col, anchor_pos, keep, tokens, labels, valid,
+                        None if host is None else layout[-1])
+
+
+def _anchor_layout(attention_mask, loss_mask, seq_ids, position_ids, *, block_size: int, num_anchors: int,
+                   generator: torch.Generator | None) -> list[torch.Tensor]:
+    """``[ctx_sample, ctx_pos, sample, anchor_col, anchor_pos, keep, valid]`` of
+    :class:`DFlashBlocks`, on the masks' device."""
+    b, t = attention_mask.shape
+    device = attention_mask.device
+    lm = loss_mask.bool() & attention_mask.bool()
+    ctx_sample, ctx_pos, s_row, s_start, s_len = find_samples(attention_mask, seq_ids, position_ids)
     lengths = s_len.tolist()
     width = max(lengths, default=1)
     span = torch.arange(width, device=device)
@@ -137,8 +172,6 @@ def build_blocks(
     keep = grid(False, torch.ones_like(a_row, dtype=torch.bool))
     sample, anchor_col, anchor_pos = grid(-2, s_idx), grid(0, a_col), grid(0, a_pos)
     k = torch.arange(block_size, device=device)
-    tokens = torch.full((b, nb, block_size), mask_token_id, device=device, dtype=torch.long)
-    tokens[..., 0] = torch.where(keep, ids.gather(1, anchor_col), mask_token_id)
     col = anchor_col[..., None] + k
     at = col.clamp(max=t - 1).flatten(1)
 
@@ -147,8 +180,7 @@ def build_blocks(
 
     same = (col < t) & (read(ctx_sample) == sample[..., None])
     valid = keep[..., None] & same & (k > 0) & read(lm)
-    return DFlashBlocks(block_size, ctx_sample, ctx_pos, sample, anchor_col, anchor_pos, keep,
-                        tokens, read(ids), valid)
+    return [ctx_sample, ctx_pos, sample, anchor_col, anchor_pos, keep, valid]
 
 
 def visible(blocks: DFlashBlocks, b, q, kv, window: int | None) -> torch.Tensor:
@@ -227,7 +259,7 @@ def dflash_loss(
     blocks, aux, attend = attend_blocks(blocks, aux, draft, backend)
     b, nb, size = blocks.tokens.shape
     embeds = F.embedding(blocks.tokens.flatten(1), embed_weight.detach())
-    rows = torch.nonzero(blocks.valid.flatten()).flatten()
+    rows = blocks.valid_rows()
     query = dflash2.selector_query(draft, blocks, rows, lm_head_weight)
     hidden = draft(embeds, blocks.positions, attend, target_hidden=aux, context_positions=blocks.ctx_pos,
                    **({} if query is None else {"selector_query": query}))

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from specforge_core.capture.base import host_masks_of
 from specforge_core.drafts.eagle3.attention import TTTAttention
 from specforge_core.drafts.eagle3.fast.unroll_plan import UnrollPlan
 from specforge_core.drafts.eagle3.metric_sums import metric_sums
@@ -94,7 +95,7 @@ def ttt_unroll(
         aux = noisy_features(aux, aux.shape[-1] // last.shape[-1], feature_noise)
     # record_function ranges name the stages in a torch.profiler trace (bench/gpu_train.py --profile)
     with record_function("eagle3.plan"):
-        plan = UnrollPlan.build(attn, lm, seq, ttt_length, device=ids.device, host=_host_masks(batch, b, t))
+        plan = UnrollPlan.build(attn, lm, seq, ttt_length, device=ids.device, host=host_masks_of(batch, b, t))
     with record_function("eagle3.teacher"):
         given = _given_teacher(batch, b, t, draft.draft_vocab_size)
         if given is not None:
@@ -199,22 +200,6 @@ def _given_teacher(batch, b: int, t: int, vd: int):
             fix="make it with compute_teacher(last_hidden.flatten(0, 1), lm_head_weight, draft.t2d), or leave it out",
         )
     return given
-
-
-def _host_masks(batch, b: int, t: int):
-    """The batch's host masks (None where it has none), checked against its ``[B,T]``."""
-    host = _field(batch, "host_masks")
-    if host is None:
-        return None
-    for name in ("attention_mask", "loss_mask", "seq_ids"):
-        value = getattr(host, name)
-        if value is not None and (value.device.type != "cpu" or tuple(value.shape) != (b, t)):
-            raise ModelError(
-                f"host_masks.{name} is {tuple(value.shape)} on {value.device}, expected {(b, t)} on the CPU",
-                where=f"captured batch: host_masks.{name}",
-                fix="give the host masks as the capture laid them out (CPU, the batch's [B,T]), or none",
-            )
-    return host
 
 
 def _read_batch(batch, lm_head_weight):

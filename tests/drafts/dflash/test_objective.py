@@ -4,6 +4,8 @@ layers, full and sliding layers, padding, and packed rows (which also equal the 
 unpacked). Loss and gradients are compared as the weighted mean the trainer applies
 (numerator / Σw); the numerator itself to 1e-6 relative."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -166,6 +168,50 @@ def test_packed_and_unpacked_rows_draw_the_same_anchors_per_sample():
         cands = [p for p in range(len(lm) - 1) if lm[p] and lm[p + 1]]
         assert got.get(s, []) == sorted(got.get(s, [])) and set(got.get(s, [])) <= set(cands)
         assert len(got.get(s, [])) == min(3, len(cands))
+
+
+def with_host_masks(batch):
+    from specforge_core.capture.base import HostMasks
+
+    seq = batch.get("seq_ids")
+    return dict(batch, host_masks=HostMasks(batch["attention_mask"].long().clone(), batch["loss_mask"].long().clone(),
+                                            None if seq is None else seq.long().clone()))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_blocks_laid_out_from_the_host_masks_equal_those_from_the_device_masks(packed):
+    samples = random_samples(4, [9, 13, 4, 11])
+    batch = packed_batch(samples, [[1, 3], [0, 2]]) if packed else unpacked_batch(samples)
+    common = dict(block_size=4, num_anchors=3, mask_token_id=MASK)
+    device = build_blocks(batch, generator=torch.Generator().manual_seed(1), **common)
+    host = build_blocks(with_host_masks(batch), generator=torch.Generator().manual_seed(1), **common)
+    assert device.host_valid is None and host.host_valid is not None
+    for name in ("ctx_sample", "ctx_pos", "sample", "anchor_col", "anchor_pos", "keep", "tokens", "labels", "valid"):
+        assert torch.equal(getattr(host, name), getattr(device, name)), name
+    assert torch.equal(host.host_valid, host.valid)
+    assert torch.equal(host.valid_rows(), device.valid_rows()) and host.valid_rows().numel() > 0
+
+
+def test_a_loss_over_host_masks_equals_the_loss_over_the_device_masks():
+    samples = random_samples(3, [12, 9, 15])
+    draft, (E, W) = tiny_draft(block_size=4), target_weights(0)
+    batch = packed_batch(samples, [[0, 1], [2]])
+    common = dict(embed_weight=E, lm_head_weight=W, block_size=4, num_anchors=3, loss_decay_gamma=7.0, backend="sdpa")
+    loss, sums = dflash_loss(draft, batch, generator=torch.Generator().manual_seed(2), **common)
+    host_loss, host_sums = dflash_loss(draft, with_host_masks(batch), generator=torch.Generator().manual_seed(2),
+                                       **common)
+    assert torch.equal(host_loss, loss)
+    for key in sums:
+        assert torch.equal(host_sums[key], sums[key]), key
+
+
+def test_host_masks_of_another_shape_are_refused_naming_the_field():
+    samples = random_samples(2, [9, 13])
+    batch = with_host_masks(unpacked_batch(samples))
+    host = batch["host_masks"]
+    batch["host_masks"] = dataclasses.replace(host, loss_mask=host.loss_mask[:, :-1])
+    with pytest.raises(ModelError, match=r"host_masks.loss_mask is \(2, 12\) on cpu, expected \(2, 13\)"):
+        build_blocks(batch, block_size=4, num_anchors=3, mask_token_id=MASK, generator=torch.Generator().manual_seed(1))
 
 
 def test_anchor_generator_is_a_pure_function_of_its_coordinates():

@@ -6,7 +6,7 @@ import torch
 
 from specforge_core.capture.base import HostMasks
 from specforge_core.drafts.eagle3.fast.unroll_plan import UnrollPlan
-from specforge_core.drafts.eagle3.objective import _host_masks
+from specforge_core.capture.base import host_masks_of
 from specforge_core.errors import ModelError
 
 
@@ -104,4 +104,4 @@ def test_host_masks_of_another_shape_are_refused_naming_the_field():
     attn, lm, seq = _packed_masks()
     batch = {"host_masks": HostMasks(attn, lm[:, :-1], seq)}
     with pytest.raises(ModelError, match=r"host_masks.loss_mask is \(3, 16\) on cpu, expected \(3, 17\)"):
-        _host_masks(batch, *attn.shape)
+        host_masks_of(batch, *attn.shape)

@@ -54,6 +54,7 @@ def pad_for_flex(blocks, aux_hidden: torch.Tensor, mask_token_id: int, multiple:
         tokens=pad(blocks.tokens, mask_token_id, extra_nb, 1),
         labels=pad(blocks.labels, 0, extra_nb, 1),
         valid=pad(blocks.valid, False, extra_nb, 1),
+        host_valid=None if blocks.host_valid is None else pad(blocks.host_valid, False, extra_nb, 1),
     )
     return blocks, pad(aux_hidden, 0, extra_t, 1)
 
