@@ -303,8 +303,8 @@ def run_ours(args, work: Path) -> dict:
     def step(record: bool) -> dict | None:
         loss, sums = root(batch)
         optimizer.backward(loss)
-        weight = float(sums["weight_sum"]) if fam.loss_is_sum else None  # as the trainer reads it
-        scale = sum_loss_grad_scale(d, weight, 1) if fam.loss_is_sum else None
+        scale = sum_loss_grad_scale(d, sums["weight_sum"], 1) if fam.loss_is_sum else None  # as the trainer does
+        weight = float(sums["weight_sum"]) if record and fam.loss_is_sum else None
         seen = {"loss": float(loss.detach()) / weight if weight else float(loss.detach())} if record else None
         if record and family in ("dflash", "dflash2"):  # over Σ mask, as speculators divides (ours: over Σ w)
             slots = float(sums["total"].sum())

@@ -345,7 +345,7 @@ class TrainLoop:
             self.optimizer.backward(loss)
         mark("backward_peak")
         # as the trainer does for a summed loss (DFlash): divide by the global weight
-        scale = sum_loss_grad_scale(self.d, float(sums["weight_sum"]), 1) if self.loss_is_sum else None
+        scale = sum_loss_grad_scale(self.d, sums["weight_sum"], 1) if self.loss_is_sum else None
         del loss, sums
         with record_function("bench.optimizer"):
             self.optimizer.step(scale)

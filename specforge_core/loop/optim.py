@@ -110,11 +110,12 @@ class DraftOptimizer:
         (loss / self.accumulation_steps).backward()
         self.micro_batches += 1
 
-    def step(self, grad_scale: float | None = None) -> dict[str, float]:
+    def step(self, grad_scale: float | torch.Tensor | None = None) -> dict[str, float]:
         """Clip to ``max_grad_norm`` (global norm over all shards), update, advance the schedule.
 
-        ``grad_scale`` multiplies every gradient first (objectives whose loss is a sum, normalised
-        by a global count only known after the window: see ``Trainer``). Returns the pre-clip
+        ``grad_scale`` (a number, or a scalar tensor on the device that the host never reads)
+        multiplies every gradient first (objectives whose loss is a sum, normalised by a global
+        count only known after the window: see ``Trainer``). Returns the pre-clip
         ``grad_norm`` (a 0-dim tensor on the device: reading it waits for the step, so the caller
         reads it when it logs) and the ``lr`` this update used. Raises RuntimeError unless the window is
         complete: a partial accumulation window never updates the weights.

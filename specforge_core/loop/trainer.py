@@ -60,7 +60,7 @@ from specforge_core.loop.checkpoint import (
     read_train_state,
     save_checkpoint,
 )
-from specforge_core.system.distributed import Dist, all_reduce, broadcast_object
+from specforge_core.system.distributed import Dist, all_reduce, all_reduce_sum_, broadcast_object
 from specforge_core.loop.metrics import MetricsLogger
 from specforge_core.loop.optim import DraftOptimizer, shard
 from specforge_core.loop.rollout import RolloutStream
@@ -153,17 +153,19 @@ class TrainStep(nn.Module):
         return self.objective(self.draft, batch)
 
 
-def sum_loss_grad_scale(d: Dist, local_weight: float, accumulation_steps: int) -> float:
+def sum_loss_grad_scale(d: Dist, local_weight: torch.Tensor | float, accumulation_steps: int) -> torch.Tensor:
     """For an objective whose loss is a sum Σ w·ℓ (DFlash): the factor that turns a window's
     gradients into those of Σ w·ℓ / Σ w over every micro-batch of every rank (the global weighted
     mean), so that how the batch is split over ranks and micro-steps changes nothing.
 
     ``DraftOptimizer.backward`` divided each micro-batch by ``accumulation_steps`` and FSDP's
     reduce averaged over the world, so the gradients hold Σ ∇(w·ℓ) / (A·W); one scalar all-reduce
-    of this rank's Σ w gives the global weight. 0 (no update) when no position had weight.
+    of this rank's Σ w gives the global weight. 0 (no update) when no position had weight. A
+    float32 scalar on ``d.device``, made there: the host does not wait for the window's backward.
     """
-    total = all_reduce(d, [local_weight])[0]
-    return accumulation_steps * d.world_size / total if total > 0 else 0.0
+    total = all_reduce_sum_(d, torch.as_tensor(local_weight, dtype=torch.float64).to(d.device, copy=True))
+    scale = accumulation_steps * d.world_size / total
+    return torch.where(total > 0, scale, torch.zeros_like(scale)).float()
 
 
 def build_step(cfg: RunConfig, d: Dist, draft: nn.Module, objective: Objective, *, total_steps: int,
@@ -355,7 +357,7 @@ class Trainer:
         return figures
 
     def _optimizer_step(self, stream: RolloutStream) -> None:
-        weight = torch.zeros((), dtype=torch.float64)
+        weight = torch.zeros((), dtype=torch.float64, device=self.d.device)
         for _ in range(self.accumulation_steps):
             # No synchronisation here: the host launches the next capture while the device still
             # runs this step's tail; the capture's own time is measured on the device (last_capture).
@@ -370,7 +372,7 @@ class Trainer:
             loss, sums = self.root(batch)
             self.optimizer.backward(loss)
             if self.loss_is_sum:
-                weight = weight + sums["weight_sum"].detach().to("cpu", torch.float64)
+                weight = weight + sums["weight_sum"].detach().to(weight.device, torch.float64)
             samples = batch.num_samples  # packed rows hold several samples each
             # Release the captured features before the next capture (the stream stages one batch).
             del batch, loss
@@ -384,7 +386,7 @@ class Trainer:
                 captured_tokens=stream.last_capture.tokens,
                 staged_bytes=stream.peak_staged_bytes,
             )
-        scale = sum_loss_grad_scale(self.d, float(weight), self.accumulation_steps) if self.loss_is_sum else None
+        scale = sum_loss_grad_scale(self.d, weight, self.accumulation_steps) if self.loss_is_sum else None
         if self.time_budget_s is None:
             self.train_seconds = self.clock.read()
         else:

@@ -140,6 +140,13 @@ def all_reduce(d: Dist, values: list[float], op: Literal["sum", "max"] = "sum") 
     return t.tolist()
 
 
+def all_reduce_sum_(d: Dist, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (on ``d.device``) summed over all ranks in place, without the host reading it."""
+    if d.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
 def broadcast_object(d: Dist, obj: Any = None, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank (picklable objects only, small: config, paths, dicts)."""
     if d.world_size == 1:
