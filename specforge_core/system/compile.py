@@ -60,11 +60,11 @@ def rows_dynamic(compiled, *, matrix_rows: bool = True):
     a 1-D or 2-D one; without it (the layer's regions) a 1-D or 2-D input is a weight, every dim
     static. Every dim after the rows is a size of the model (vocabulary, heads, head size),
     marked static (``torch._dynamo.mark_static``) so the kernels index with constants; no dim up
-    to the rows is ever marked. Symbolic, the soft CE's backward over ``[n, 32000]`` logits
-    divided every element's flat index by a runtime int64 vocabulary size and could not
-    vectorise its bf16 loads (≈ 1 TB/s on an H200, a quarter of its bandwidth), and the RoPE
-    backward of the layer's q/k/v region, given its hidden-half weight as an input, divided by
-    the head size and head counts (0.57 ms a call for ≈ 100 MB, 4 ms a step)."""
+    to the rows is ever marked. A symbolic model size makes the generated kernels divide every
+    element's flat index by a runtime integer (the soft CE's backward by the vocabulary size, the
+    RoPE backward of the layer's q/k/v region by the head size and head counts), which keeps
+    them from vectorising their loads: the static sizes are what lets them run at the memory's
+    bandwidth."""
     lowest = 1 if matrix_rows else 0
     return _with_static_dims(compiled, lambda x: range(lowest if x.dim() <= 2 else 2, x.dim()))
 
