@@ -5,12 +5,13 @@
 # from the project root, after `make install`:
 #
 #   bash scripts/families_realcheck.sh                 # 6 minutes each, 120 answers (≈ 40 min in all)
-#   MINUTES=30 ANSWERS=480 bash scripts/families_realcheck.sh     # make sharegpt-30m's scale (≈ 4 h)
+#   MINUTES=30 ANSWERS=480 bash scripts/families_realcheck.sh     # make sharegpt-30m's scale (≈ 3 h)
 #   FAMILIES="eagle3 dflash dspark" MINUTES=10 ANSWERS=480 bash scripts/families_realcheck.sh
 #   STAGE=benchmarks BENCH_LIMIT=12 MINUTES=30 ANSWERS=480 bash scripts/families_realcheck.sh
 #
-# STAGE=benchmarks decodes MT-Bench, HumanEval and held-out ShareGPT (the first BENCH_LIMIT prompts
-# of each, 64 new tokens) with each family's trained draft at k = 3 (3,1,4) and at a whole block
+# STAGE=benchmarks decodes MT-Bench and HumanEval (BENCHMARKS: add sharegpt for held-out ShareGPT
+# conversations, every turn: about 20 minutes a family at BENCH_LIMIT=8) (the first BENCH_LIMIT
+# prompts of each, 64 new tokens) with each family's trained draft at k = 3 (3,1,4) and at a whole block
 # (7,1,8; for EAGLE3 seven chained steps), into <family>/benchmarks.json and report/benchmarks.md.
 #
 # Each family's run goes to runs/families-<ANSWERS>a-<MINUTES>m/<family>/ (results.json, results.md);
@@ -35,7 +36,7 @@ mkdir -p "$OUT"
 if [ "${STAGE:-train}" = benchmarks ]; then
   for family in $FAMILIES; do
     .venv/bin/python -m specforge_core.evaluate --config "$OUT/$family/realcheck.yaml" --draft "$OUT/$family" \
-        --benchmarks mt-bench,humaneval,sharegpt --limit "${BENCH_LIMIT:-12}" --max-new-tokens 64 --batch-size 8 \
+        --benchmarks "${BENCHMARKS:-mt-bench,humaneval}" --limit "${BENCH_LIMIT:-12}" --max-new-tokens 64 --batch-size 8 \
         --settings 3,1,4 7,1,8 --report "$OUT/$family/report/benchmarks.md" > "$OUT/$family/benchmarks.json" \
         2> "$OUT/$family-benchmarks.log"
     echo "$family: benchmarks → $OUT/$family/benchmarks.json"
