@@ -49,15 +49,17 @@ def _worker(rank):
     norms = []
     for s in range(STEPS):
         chunks = {k: v.chunk(4) for k, v in batch(s).items()}
-        local = 0.0
+        local = torch.zeros((), dtype=torch.float64, device=d.device)
         for m in range(2):
             loss, weight = root({k: c[m * 2 + d.rank] for k, c in chunks.items()})
             opt.backward(loss)
-            local += float(weight)
+            local = local + weight.detach()  # on the device, as the trainer keeps it
         norms.append(float(opt.step(sum_loss_grad_scale(d, local, 2))["grad_norm"]))
+    # a window without weight on any rank: no update (scale 0), still a device scalar
+    empty = sum_loss_grad_scale(d, torch.zeros((), dtype=torch.float64, device=d.device), 2)
     weights = get_model_state_dict(draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     close_distributed()
-    return weights, norms
+    return weights, norms, (float(empty), empty.device.type, empty.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,8 @@ def reference():
 
 
 def test_two_ranks_and_two_micro_steps_train_the_global_weighted_mean(reference):
-    (got, got_norms), (want, want_norms) = run_ranks(_worker, 2)[0], reference
+    (got, got_norms, empty), (want, want_norms) = run_ranks(_worker, 2)[0], reference
+    assert empty == (0.0, "cpu", torch.float32)
     # the gradient itself (its norm before clipping), not only the update AdamW makes of it
     assert got_norms == pytest.approx(want_norms, rel=1e-5)
     for k in [k for k in want if k != "embed_tokens.weight"]:
