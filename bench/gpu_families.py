@@ -491,10 +491,9 @@ def run_reference(args, work: Path) -> dict:
 
 def child(args) -> int:
     sys.path.insert(0, str(ROOT))
-    for name in ("BENCH_PROFILE", "BENCH_SYNC_DEBUG"):  # a folder: one file per family and side
-        if os.environ.get(name) and Path(os.environ[name]).is_dir():
-            kind = "profile" if name == "BENCH_PROFILE" else "sync"
-            os.environ[name] = str(Path(os.environ[name]) / f"{kind}-{args.family}-{args.side}.{'txt' if kind == 'profile' else 'json'}")
+    for name, file in (("BENCH_PROFILE", "profile-{}.txt"), ("BENCH_SYNC_DEBUG", "sync-{}.json")):
+        if os.environ.get(name) and Path(os.environ[name]).is_dir():  # a folder: one file per family and side
+            os.environ[name] = str(Path(os.environ[name]) / file.format(f"{args.family}-{args.side}"))
     args.work = Path(args.work)
     out = run_ours(args, args.work) if args.side == "ours" else run_reference(args, args.work)
     (args.work / f"{args.side}.json").write_text(json.dumps(out))

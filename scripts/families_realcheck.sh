@@ -7,12 +7,13 @@
 #   bash scripts/families_realcheck.sh                 # 6 minutes each, 120 answers (≈ 40 min in all)
 #   MINUTES=30 ANSWERS=480 bash scripts/families_realcheck.sh     # make sharegpt-30m's scale (≈ 3 h)
 #   FAMILIES="eagle3 dflash dspark" MINUTES=10 ANSWERS=480 bash scripts/families_realcheck.sh
-#   STAGE=benchmarks BENCH_LIMIT=12 MINUTES=30 ANSWERS=480 bash scripts/families_realcheck.sh
+#   STAGE=benchmarks BENCH_LIMIT=8 MINUTES=30 ANSWERS=480 bash scripts/families_realcheck.sh
 #
-# STAGE=benchmarks decodes MT-Bench and HumanEval (BENCHMARKS: add sharegpt for held-out ShareGPT
-# conversations, every turn: about 20 minutes a family at BENCH_LIMIT=8) (the first BENCH_LIMIT
-# prompts of each, 64 new tokens) with each family's trained draft at k = 3 (3,1,4) and at a whole block
-# (7,1,8; for EAGLE3 seven chained steps), into <family>/benchmarks.json and report/benchmarks.md.
+# STAGE=benchmarks decodes the first BENCH_LIMIT prompts of MT-Bench and HumanEval (64 new tokens a
+# turn) with each family's trained draft at k = 3 (3,1,4) and at a whole block (7,1,8; for EAGLE3
+# seven chained steps), into <family>/benchmarks.json and report/benchmarks.md.
+# BENCHMARKS=mt-bench,humaneval,sharegpt adds held-out ShareGPT conversations, every turn: about
+# 20 minutes a family on 2 cores at BENCH_LIMIT=8.
 #
 # Each family's run goes to runs/families-<ANSWERS>a-<MINUTES>m/<family>/ (results.json, results.md);
 # a second call goes on where the first stopped (scripts/sharegpt_realcheck.py's stages resume).

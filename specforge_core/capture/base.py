@@ -73,23 +73,6 @@ class TargetRequest:
         return [len(r) for r in self.input_ids[self.local]]
 
 
-def host_masks_of(batch, b: int, t: int) -> "HostMasks | None":
-    """``batch``'s host masks (a mapping's or an object's ``host_masks``; None where it has none),
-    checked to be on the CPU and of the batch's ``[b, t]``: a ModelError names the field if not."""
-    host = batch.get("host_masks") if isinstance(batch, dict) else getattr(batch, "host_masks", None)
-    if host is None:
-        return None
-    for name in ("attention_mask", "loss_mask", "seq_ids"):
-        value = getattr(host, name)
-        if value is not None and (value.device.type != "cpu" or tuple(value.shape) != (b, t)):
-            raise ModelError(
-                f"host_masks.{name} is {tuple(value.shape)} on {value.device}, expected {(b, t)} on the CPU",
-                where=f"captured batch: host_masks.{name}",
-                fix="give the host masks as the capture laid them out (CPU, the batch's [B,T]), or none",
-            )
-    return host
-
-
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """The CPU tensor ``t`` on ``device``. To CUDA through pinned memory and without blocking: a copy
     from pageable memory synchronises the stream, so the host would wait for every kernel queued
@@ -108,6 +91,23 @@ class HostMasks:
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
     seq_ids: torch.Tensor | None = None
+
+
+def host_masks_of(batch, b: int, t: int) -> HostMasks | None:
+    """``batch``'s host masks (a mapping's or an object's ``host_masks``; None where it has none),
+    checked to be on the CPU and of the batch's ``[b, t]``: a ModelError names the field if not."""
+    host = batch.get("host_masks") if isinstance(batch, dict) else getattr(batch, "host_masks", None)
+    if host is None:
+        return None
+    for name in ("attention_mask", "loss_mask", "seq_ids"):
+        value = getattr(host, name)
+        if value is not None and (value.device.type != "cpu" or tuple(value.shape) != (b, t)):
+            raise ModelError(
+                f"host_masks.{name} is {tuple(value.shape)} on {value.device}, expected {(b, t)} on the CPU",
+                where=f"captured batch: host_masks.{name}",
+                fix="give the host masks as the capture laid them out (CPU, the batch's [B,T]), or none",
+            )
+    return host
 
 
 @dataclass
