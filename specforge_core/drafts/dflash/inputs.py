@@ -57,7 +57,7 @@ def find_samples(attention_mask, seq_ids, position_ids):
     return ctx_sample.view(b, t), ctx_pos.view(b, t), row_min, start, length
 
 
-def check_settings(draft, block_size, num_anchors, loss_decay_gamma):
+def check_objective_settings(draft, block_size, num_anchors, loss_decay_gamma):
     """Raises ConfigError for a block size other than the draft's, a ``num_anchors`` that is not
     an integer >= 1 or a ``loss_decay_gamma`` that is neither None nor positive."""
     if block_size != draft.block_size:

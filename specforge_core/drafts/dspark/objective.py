@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from specforge_core.drafts.dflash.inputs import check_batch
 from specforge_core.drafts.dflash.inputs import field as batch_field
-from specforge_core.drafts.dflash.objective import DFlashBlocks, attend_blocks, build_blocks
+from specforge_core.drafts.dflash.blocks import DFlashBlocks, build_blocks
+from specforge_core.drafts.dflash.objective import attend_blocks
 from specforge_core.drafts.vocab.soft_target_ce import soft_target_terms
 from specforge_core.drafts.vocab import kernels as vocab_kernels
 from specforge_core.drafts.vocab.teacher import compute_teacher, full_vocabulary, softmax_from_lse

@@ -8,7 +8,7 @@ from transformers import Qwen3ForCausalLM
 
 from specforge_core.drafts.dflash.drafter import DFlashDrafter
 from specforge_core.drafts.dflash.model import dense_attend
-from specforge_core.drafts.dflash.objective import build_blocks, dense_masks
+from specforge_core.drafts.dflash.blocks import build_blocks, dense_masks
 from specforge_core.decoding.speculative import decode_batch
 from specforge_core.decoding.verifier import DecodingTarget
 from specforge_core.errors import ConfigError

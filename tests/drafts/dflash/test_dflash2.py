@@ -208,7 +208,7 @@ def speculators_selector_terms(draft, hidden, head, blocks_valid, labels, gamma)
 
 
 def run_ours(draft, batch, E, W, gamma, num_anchors=3):
-    from specforge_core.drafts.dflash.objective import build_blocks
+    from specforge_core.drafts.dflash.blocks import build_blocks
 
     captured = {}
 

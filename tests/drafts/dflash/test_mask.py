@@ -6,7 +6,7 @@ inside the block and windowed over the context."""
 import pytest
 import torch
 
-from specforge_core.drafts.dflash.objective import build_blocks, dense_masks
+from specforge_core.drafts.dflash.blocks import build_blocks, dense_masks
 from tests.drafts.dflash.fixtures import MASK, packed_batch, random_samples, unpacked_batch
 from tests.drafts.dflash.reference import reference_mask
 

@@ -10,11 +10,8 @@ import pytest
 import torch
 
 from specforge_core.drafts.dflash.inputs import anchor_generator
-from specforge_core.drafts.dflash.objective import (
-    build_blocks,
-    dflash_loss,
-    summarize_dflash_metrics,
-)
+from specforge_core.drafts.dflash.blocks import build_blocks
+from specforge_core.drafts.dflash.objective import dflash_loss, summarize_dflash_metrics
 from specforge_core.errors import ConfigError, ModelError
 from tests.drafts.dflash.fixtures import (
     MASK,

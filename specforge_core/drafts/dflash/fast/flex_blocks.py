@@ -1,10 +1,10 @@
 """The anchor blocks' attention on flex attention kernels (CUDA; forward only on the CPU).
 
     blocks, aux_hidden = pad_for_flex(blocks, aux_hidden, mask_token_id)
-    attend = flex_attend(blocks, objective.visible, {layer_type: window, ...})   # draft(..., attend, ...)
+    attend = flex_attend(blocks, blocks.visible, {layer_type: window, ...})   # draft(..., attend, ...)
 
-The plain attention is sdpa under the dense bool masks ``objective.dense_masks`` builds from the
-predicate ``objective.visible`` (``model.dense_attend``): ``[b, Q, T+Q]`` per layer type. Here
+The plain attention is sdpa under the dense bool masks ``blocks.dense_masks`` builds from the
+predicate ``blocks.visible`` (``model.dense_attend``): ``[b, Q, T+Q]`` per layer type. Here
 flex builds a block mask from the same predicate (as its ``mask_mod``), so no dense mask
 exists and fully masked tiles are skipped; both give the same output
 (tests/drafts/dflash/fast/test_flex_blocks.py). torch has no CPU flex backward.
@@ -29,7 +29,7 @@ def _flex():
 
 
 def pad_for_flex(blocks, aux_hidden: torch.Tensor, mask_token_id: int, multiple: int = 128):
-    """``(blocks, aux_hidden)`` (``objective.DFlashBlocks``) with the context and the block stream
+    """``(blocks, aux_hidden)`` (``blocks.DFlashBlocks``) with the context and the block stream
     padded to multiples of ``multiple`` (flex's tile): padding context columns belong to no
     sample and padding block slots are not kept, so nothing changes but the shapes (regular
     tiles, few recompiles; and torch 2.11's inductor found no flex kernel for some sub-tile
@@ -62,7 +62,7 @@ def pad_for_flex(blocks, aux_hidden: torch.Tensor, mask_token_id: int, multiple:
 def flex_attend(blocks, predicate, windows: dict):
     """An ``attend`` running flex attention over ``blocks``' queries and keys (its context, then
     its block stream) with a block mask per layer type: ``predicate(blocks, b, q, kv, window)``
-    (``objective.visible``) under each layer type's sliding window, ``windows[layer_type]``
+    (``blocks.visible``) under each layer type's sliding window, ``windows[layer_type]``
     (None: full attention)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

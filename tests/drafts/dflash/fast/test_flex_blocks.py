@@ -7,7 +7,7 @@ import torch
 
 from specforge_core.drafts.dflash.fast.flex_blocks import flex_attend, pad_for_flex
 from specforge_core.drafts.dflash.model import dense_attend
-from specforge_core.drafts.dflash.objective import build_blocks, dense_masks, visible
+from specforge_core.drafts.dflash.blocks import build_blocks, dense_masks, visible
 from tests.drafts.dflash.fixtures import MASK, packed_batch, random_samples
 
 BLOCK, WINDOW, LAYERS = 4, 5, ("sliding_attention", "full_attention")
