@@ -111,7 +111,7 @@ def synthetic_rows(
     return rows
 
 
-def load_target(which: str):
+def smollm2_or_random_target(which: str):
     """SmolLM2-135M-Instruct, or a random model of its shape (same FLOPs, no download)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     d = init_distributed("cpu")
-    model = load_target(args.target)
+    model = smollm2_or_random_target(args.target)
     backend = HFCaptureBackend(model, CAPTURE_IDS)
     print(f"setup {time.perf_counter() - t0:.1f}s threads={args.threads} load={load_avg()}", flush=True)
 

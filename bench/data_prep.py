@@ -36,7 +36,7 @@ from specforge_core.capture.target_info import target_vocab_size  # noqa: E402
 from specforge_core.data.vocab import ensure_vocab_map  # noqa: E402
 
 
-def timed(fn):
+def timed_call(fn):
     t = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t
@@ -76,17 +76,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     renderer = ChatRenderer(tok)
     texts = [renderer.render(rec["conversations"]) for _, rec in iter_records(str(data))]
-    enc, t_floor = timed(lambda: tok(texts, return_offsets_mapping=True))
+    enc, t_floor = timed_call(lambda: tok(texts, return_offsets_mapping=True))
     n_tokens = sum(len(ids) for ids in enc["input_ids"])
     del enc
-    _, t_chunked = timed(lambda: tokenize_in_chunks(tok, texts, 256))
+    _, t_chunked = timed_call(lambda: tokenize_in_chunks(tok, texts, 256))
     texts.clear()  # free the rendered texts before the build
 
-    cache, t_cold = timed(lambda: ensure_prompt_cache(cfg, tok))
-    hit, t_hit = timed(lambda: ensure_prompt_cache(cfg, tok))
+    cache, t_cold = timed_call(lambda: ensure_prompt_cache(cfg, tok))
+    hit, t_hit = timed_call(lambda: ensure_prompt_cache(cfg, tok))
     assert cache.built and not hit.built
-    vm, t_vocab = timed(lambda: ensure_vocab_map(cfg, cache, V))
-    _, t_vocab_hit = timed(lambda: ensure_vocab_map(cfg, cache, V))
+    vm, t_vocab = timed_call(lambda: ensure_vocab_map(cfg, cache, V))
+    _, t_vocab_hit = timed_call(lambda: ensure_vocab_map(cfg, cache, V))
 
     rows = cache.meta["rows_out"]["train"]
     res = {

@@ -522,7 +522,7 @@ def run_side(args, family: str, side: str, work: Path) -> dict:
     return result
 
 
-def compare(args, family: str) -> dict:
+def compare_family(args, family: str) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"families-{family}-") as tmp:
         work = Path(tmp)
         ours = run_side(args, family, "ours", work)
@@ -547,7 +547,7 @@ def warm_caches(args, families: list[str]) -> None:
     once = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0})
     t = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.warm_parallel) as pool:
-        for row in pool.map(lambda f: compare(once, f), families):
+        for row in pool.map(lambda f: compare_family(once, f), families):
             failed = [side for side in ("ours", "reference") if "error" in row[side]]
             print(f"warm {row['family']}: {'failed ' + ','.join(failed) if failed else 'done'}",
                   file=sys.stderr, flush=True)
@@ -589,7 +589,7 @@ def main(argv=None) -> int:
         warm_caches(args, families)
     rows = []
     for family in families:
-        row = compare(args, family)
+        row = compare_family(args, family)
         rows.append(row)
         print("RESULT " + json.dumps(row), flush=True)
         if args.out:  # after every family: a run stopped by a time limit keeps the families it finished

@@ -101,7 +101,7 @@ def save_random_weights(target: Path, device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def compare(folder: Path) -> dict:
+def compare_recipe(folder: Path) -> dict:
     """tokens/s of steps after the warm-up and the peak allocated memory, against bench and dry run
     (the pass rule of the recipe's family: module docstring)."""
     from specforge_core.config import load_config
@@ -146,7 +146,7 @@ def run(folder: Path, out: Path, device: str) -> int:
     (out / "train.log").write_text(proc.stdout + proc.stderr)
     results = [result(phase="train", returncode=proc.returncode)]
     if proc.returncode == 0:
-        results.append(compare(folder))
+        results.append(compare_recipe(folder))
     (out / "recipe_check.json").write_text(json.dumps(results, indent=1))
     return 0 if proc.returncode == 0 and results[-1].get("ok") else 1
 
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     if args.run:
         return run(Path(args.run), Path(args.out), args.device)
     if args.compare:
-        return 0 if compare(Path(args.compare))["ok"] else 1
+        return 0 if compare_recipe(Path(args.compare))["ok"] else 1
     ap.error("give --prepare FOLDER or --run FOLDER")
 
 

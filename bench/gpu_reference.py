@@ -76,7 +76,7 @@ def build_random_target(shape: str, device: str = "cuda"):
     return model
 
 
-def timed(fn, *, warmup: int = 2, iters: int = 5) -> float:
+def median_seconds(fn, *, warmup: int = 2, iters: int = 5) -> float:
     """Median seconds of ``fn()`` over ``iters`` runs, with device synchronisation."""
     for _ in range(warmup):
         fn()
@@ -108,7 +108,7 @@ def timed_back_to_back(fn, *, warmup: int = 1, iters: int = 5) -> float:
 def matmul_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    s = timed(lambda: a @ b, warmup=3, iters=10)
+    s = median_seconds(lambda: a @ b, warmup=3, iters=10)
     return 2 * n**3 / s / 1e12
 
 
@@ -122,7 +122,7 @@ def target_forward_tokens_per_s(model, batch: int, seq: int, capture_ids=None) -
     def run():
         base(input_ids=ids, use_cache=False)
 
-    return batch * seq / timed(run)
+    return batch * seq / median_seconds(run)
 
 
 def peer_eagle3_step(shape: str, batch: int, seq: int, ttt_length: int = 7, vocab_d: int = 32000,

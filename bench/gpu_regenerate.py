@@ -35,7 +35,7 @@ def answers(path: Path) -> dict[str, str]:
     return {row["id"]: row["conversations"][-1]["content"] for row in rows}
 
 
-def compare(tok, ours: dict[str, str], reference: dict[str, str]) -> dict:
+def compare_answers(tok, ours: dict[str, str], reference: dict[str, str]) -> dict:
     """Same answers, and where the others part (answer-token index of the first difference)."""
     same, parted = 0, []
     for key, text in reference.items():
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                         max_new_tokens=args.answer_tokens, limit=args.sample, engine="hf")
     print("hf " + json.dumps(hf_run), flush=True)
     result = {"sglang": sglang_run, "hf": hf_run,
-              "greedy": compare(load_tokenizer(cfg), answers(out / "answers-sglang.jsonl"),
+              "greedy": compare_answers(load_tokenizer(cfg), answers(out / "answers-sglang.jsonl"),
                                 answers(out / "answers-hf.jsonl"))}
     print("RESULT " + json.dumps(result), flush=True)
     (out / "regenerate.json").write_text(json.dumps(result, indent=1))

@@ -247,7 +247,7 @@ def phase_shape(out_dir: Path, steps: int = 5) -> None:
            sglang_over_hf_compiled=round(sglang_tps / hfc_tps, 3))
 
 
-def phase_peer(out_dir: Path, steps: int = 5) -> None:
+def phase_peer_capture(out_dir: Path, steps: int = 5) -> None:
     """SpecForge 0.2.0's own SGLang capture (``OfflineSGLangCaptureBackend``, its wheel, ``--no-deps``)
     of the same batches at the same engine settings, in a process of its own. Two ways of feeding
     it, the better one counts: the padded batch its prepare script builds (pads are computed), and
@@ -424,7 +424,7 @@ def main(argv=None) -> int:
     if args.phase:
         {"agree-llama": lambda: phase_agree("llama", work), "agree-qwen3": lambda: phase_agree("qwen3", work),
          "train": lambda: phase_train(Path(args.gpu_dir), work),
-         "shape-qwen3-8b": lambda: phase_shape(work), "peer-qwen3-8b": lambda: phase_peer(work)}[args.phase]()
+         "shape-qwen3-8b": lambda: phase_shape(work), "peer-qwen3-8b": lambda: phase_peer_capture(work)}[args.phase]()
         return 0
     results = []
     for phase in args.phases.split(","):

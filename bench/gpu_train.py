@@ -151,7 +151,7 @@ def plain_varlen_forward_seconds(backend, request) -> float:
             backend._decoder(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
         backend._grabbed.clear()
 
-    return ref.timed(run, warmup=1, iters=3) if backend.device.type == "cuda" else _cpu_time(run)
+    return ref.median_seconds(run, warmup=1, iters=3) if backend.device.type == "cuda" else _cpu_time(run)
 
 
 def _cpu_time(fn) -> float:
@@ -207,7 +207,7 @@ def phase_capture(args, backend, rows) -> None:
                                       slice(0, len(sample)))
     floor = plain_varlen_forward_seconds(backend, request)
     packed = replace(request, token_budget=args.token_budget)
-    capture = ref.timed(lambda: backend.capture(packed), warmup=1, iters=3) \
+    capture = ref.median_seconds(lambda: backend.capture(packed), warmup=1, iters=3) \
         if backend.device.type == "cuda" else _cpu_time(lambda: backend.capture(packed))
     report("plain_varlen_forward_tokens_per_s", request.num_tokens / floor)
     report("capture_overhead_vs_plain_varlen", capture / floor - 1)
@@ -403,7 +403,7 @@ def count_syncs(args, key: str, fn) -> int:
 def phase_draft(args, backend, variant: str) -> None:
     """Our isolated draft step on dense shapes (the peer's shapes), eager or with compiled norms/MLPs.
 
-    Timed two ways: each step alone (``ref.timed``: synchronised after every step, median) and
+    Timed two ways: each step alone (``ref.median_seconds``: synchronised after every step, median) and
     steps back to back as a trainer runs them (``..._back_to_back_tokens_per_s``: one
     synchronisation after all); ``draft_<shape>_tokens_per_s`` is the better of the two. A variant
     ``compiled-<backend>`` is the compiled step with that attention backend (``auto`` otherwise);
@@ -438,7 +438,7 @@ def step_seconds(args, step) -> tuple[float, float]:
     if args.device.type != "cuda":
         s = _cpu_time(step)
         return s, s
-    return (ref.timed(step, warmup=2, iters=args.steps),
+    return (ref.median_seconds(step, warmup=2, iters=args.steps),
             ref.timed_back_to_back(step, warmup=1, iters=args.steps))
 
 
@@ -809,7 +809,7 @@ def phase_train(args, backend, rows, variant: str) -> None:
     del loop
 
 
-def phase_peer(args, backend) -> None:
+def phase_peer_draft_step(args, backend) -> None:
     """SpecForge 0.2.0's draft step of the same family on the same dense shapes, at its best: in a
     process of its own (``bench/gpu_peer_standalone.py``) with the CUDA allocator at its default
     (this process's expandable segments cost the peer 19-20 %, measured 2026-12-01).
@@ -976,14 +976,14 @@ def main(argv=None) -> None:
              ("capture", lambda: phase_capture(args, backend, rows))]
     for variant in args.draft_variants:
         if variant == "compiled":
-            steps.append(("peer", lambda: phase_peer(args, backend)))
+            steps.append(("peer", lambda: phase_peer_draft_step(args, backend)))
             if "compile" in args.capture_variants:
                 steps.append(("capture_compiled", lambda: phase_capture_compiled(args, backend, rows)))
         steps.append((f"draft_{variant}", lambda v=variant: phase_draft(args, backend, v)))
         if "-" not in variant:  # an attention variant times the draft step only
             steps.append((f"train_{variant}", lambda v=variant: phase_train(args, backend, rows, v)))
     if "compiled" not in args.draft_variants:
-        steps.append(("peer", lambda: phase_peer(args, backend)))
+        steps.append(("peer", lambda: phase_peer_draft_step(args, backend)))
     for name, fn in steps:
         if name.split("_")[0] in args.phases:
             run_phase(name, fn, args)

@@ -48,8 +48,9 @@ def _warm_start(config: RunConfig) -> RunConfig:
     return config
 
 
-@flow(name="colocated-train", description="Online, colocated training of a draft model (EAGLE3, DFlash: "
-      "draft.family): cached data stages, torchrun training, validation by measured acceptance length.")
+@flow(name="colocated-train", description="Online, colocated training of a draft model (EAGLE3 / "
+      "EAGLE-3.1, DFlash / DFlash2, DSpark: draft.family): cached data stages, torchrun training, "
+      "validation by measured acceptance length.")
 def colocated_train(config: RunConfig, dry_run: bool = False) -> dict:
     """Train a draft of the family ``config.draft.family`` for ``config.model.target`` on
     ``config.data``; returns where the draft, the report and the acceptance lengths are.

@@ -63,7 +63,7 @@ def _target_dir(name: str, config: RunConfig) -> Path:
     return ensure_smollm2() if os.environ.get("SPECFORGE_MODEL_CACHE") else ensure_smollm2(config.model.target)
 
 
-def prepare(name: str) -> RunConfig:
+def profile_config(name: str) -> RunConfig:
     """The profile's config, with its target model and conversation file in place (built once)."""
     from fixtures.chitchat import write_chitchat_jsonl
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     # The ephemeral API server starts in a subprocess; on a busy 2-core machine it can take longer
     # than Prefect's default 20 s.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    config = prepare(args.profile)
+    config = profile_config(args.profile)
     if args.prepare_only:
         print(json.dumps({"config": config.model_dump(mode="json", exclude_defaults=True)}))
         return 0

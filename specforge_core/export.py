@@ -26,7 +26,7 @@ from specforge_core.errors import ConfigError
 from specforge_core.loop.checkpoint import resolve_checkpoint_dir
 
 DTYPES = ("float32", "bfloat16", "float16")
-FORMATS = ("sglang", "speculators")
+EXPORT_FORMATS = ("sglang", "speculators")
 
 
 def export(checkpoint: str, out: str, dtype: str = "keep", *, fmt: str = "sglang", target: str | None = None,
@@ -36,8 +36,8 @@ def export(checkpoint: str, out: str, dtype: str = "keep", *, fmt: str = "sglang
     ``target``, ``verifier`` and ``speculative_tokens`` belong to the speculators format (ConfigError
     naming the flag when given for another format, or when ``target`` is missing for it).
     """
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown export format {fmt!r}", where="--format", fix=f"use one of {', '.join(FORMATS)}")
+    if fmt not in EXPORT_FORMATS:
+        raise ConfigError(f"unknown export format {fmt!r}", where="--format", fix=f"use one of {', '.join(EXPORT_FORMATS)}")
     speculators_only = {"--target": target, "--verifier": verifier, "--speculative-tokens": speculative_tokens}
     if fmt == "sglang" and (given := [flag for flag, value in speculators_only.items() if value is not None]):
         raise ConfigError(f"{', '.join(given)} only apply to --format speculators", where=given[0],
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", required=True, help="checkpoint step directory or run directory")
     ap.add_argument("--out", required=True, help="directory to write config.json + model.safetensors into")
     ap.add_argument("--dtype", default="keep", choices=["keep", *DTYPES], help="weights dtype (default: as trained)")
-    ap.add_argument("--format", default="sglang", choices=FORMATS,
+    ap.add_argument("--format", default="sglang", choices=EXPORT_FORMATS,
                     help="sglang (default; SGLang and vLLM load it) or speculators (vLLM's native layout; every family)")
     ap.add_argument("--target", help="speculators: the local target directory (embedding, architectures)")
     ap.add_argument("--verifier", help="speculators: the target's name or path written into the config "

@@ -305,9 +305,10 @@ class TrainingConfig(_Section):
         None, gt=0, description="Pack samples into rows of at most this many tokens (None: pad per batch)."
     )
     compile: bool = Field(
-        False, description="torch.compile the draft's and the hf target's norms and MLPs and the draft "
-        "unroll's memory-bound passes (GPU; end to end 18.5k against 14.4k tokens/s at Qwen3-8B shape; 3–4 min of "
-        "compiling, cached in <output.dir>/compile-cache). Off: only flex attention is compiled, where it is used (≈ 24 s start, measured on flex)."
+        False, description="torch.compile the hf target's decoder layers, the draft's norms and MLPs and the "
+        "draft unroll's memory-bound passes (CUDA only): faster steps after a compile before the first step, "
+        "cached in <output.dir>/compile-cache for a resumed run. Off: only flex attention is compiled, where it "
+        "is used. Start time and tokens/s either way: docs/performance.md."
     )
     save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0: not by steps).")
     save_every_minutes: float = Field(

@@ -16,7 +16,7 @@ tokens each. Figures, added to that step's metrics record:
   load included the first time).
 
 The target is loaded once, at the first decode, with ``decoding.verifier.load_target``: a second
-copy beside the capture backend's (on SmolLM2-135M in fp32, 0.5 GiB more on rank 0). The decode
+copy beside the capture backend's, so rank 0 holds the target's weights twice. The decode
 works on a copy of the weights under a forked RNG, so it changes nothing the ranks train.
 """
 

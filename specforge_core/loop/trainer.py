@@ -100,8 +100,8 @@ def directory_identity(path: str | Path, *, memo_dir: str | Path | None = None) 
     Each file is hashed whole, once: its digest is remembered in ``memo_dir`` under its path, size,
     modification and change times and inode (``data.formats.source_digest``), so a re-check is a
     ``stat`` per file. A sample of blocks would be cheaper the first time but is no identity: a
-    fine-tune that changes a few tensors can miss every sampled block. Streaming costs about 1 s
-    per GB (13 s for Qwen3-8B's 16 GB), paid at prepare time or by rank 0 at the first start.
+    fine-tune that changes a few tensors can miss every sampled block. Hashing reads every byte
+    once, paid at prepare time or by rank 0 at the first start.
     A copy or re-download of the same model keeps its identity.
     """
     from specforge_core.data.formats import source_digest

@@ -23,9 +23,10 @@ compiled always, it has no fast eager path):
   element-wise operations each that read their inputs once and gather as they read; compiled
   with the row counts symbolic and the model's sizes constant (:func:`rows_dynamic`).
 
-Without ``training.compile`` a run compiles nothing but flex attention where it uses it, and
-reached its first step in about 24 s at Qwen3-8B shape (measured on flex); with it the run trains ≈ 28 % more tokens/s after a compile of
-3–4 minutes, cached in the run directory. Figures: docs/performance.md, "GPU".
+Without ``training.compile`` a run compiles nothing but flex attention where it uses it; with it
+the first step waits for the compile, whose graphs are cached in the run directory
+(:func:`compile_cache`) for a resumed run, and the steps after it are faster. Start time and
+tokens/s either way: docs/performance.md, "Cold start and ``training.compile``".
 """
 
 import contextlib

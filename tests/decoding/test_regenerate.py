@@ -184,6 +184,6 @@ def test_the_regeneration_bench_counts_same_answers_and_where_the_others_part(ti
     bench = load_bench("gpu_regenerate")
     ours = {"a": "the cat sat", "b": "the cat ran far", "c": "hello"}
     reference = {"a": "the cat sat", "b": "the cat sat down", "c": "hello"}
-    got = bench.compare(tiny_tokenizer, ours, reference)
+    got = bench.compare_answers(tiny_tokenizer, ours, reference)
     parted = len(tiny_tokenizer("the cat", add_special_tokens=False)["input_ids"])
     assert got == {"compared": 3, "same": 2, "differ": 1, "first_difference_at_tokens": [parted]}
