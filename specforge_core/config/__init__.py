@@ -454,8 +454,8 @@ class BenchmarkSetting(_Section):
 class ValidationConfig(_Section):
     enabled: bool = True
     num_steps: int | None = Field(
-        None, ge=1, description="Draft tokens proposed per verify round; default: 3 for eagle3, "
-        "draft.dflash.block_size - 1 for dflash."
+        None, ge=1, description="Draft tokens proposed per verify round; default: the draft family's own "
+        "(the drafts of one block for a block family; each family's page in docs/)."
     )
     max_new_tokens: int = Field(128, ge=1)
     num_prompts: int = Field(32, ge=1)
@@ -558,15 +558,6 @@ class RunConfig(_Section):
                 "config has none; give data.eval_files (or data.eval_holdout: N), or set training.heldout.interval=0"
             )
         return self
-
-    @property
-    def validation_num_steps(self) -> int:
-        """Draft tokens per verify round for validation: ``validation.num_steps`` or the family's default."""
-        if self.validation.num_steps is not None:
-            return self.validation.num_steps
-        if self.draft.family == "dspark":
-            return self.draft.dspark.block_size - (0 if self.draft.dspark.sample_from_anchor else 1)
-        return self.draft.dflash.block_size - 1 if self.draft.family == "dflash" else 3
 
     def _check_sglang_capacity(self, topology) -> None:
         """The engine must hold one TP-wide batch: tp_size × batch_size rows of max_length tokens."""

@@ -75,6 +75,10 @@ class DSparkFamily(DFlashFamily):
         given = cfg.draft.dspark.mask_token_id is not None or cfg.draft.config_path
         return () if given else ("draft.dspark.mask_token_id",)
 
+    def default_num_steps(self, cfg) -> int:
+        d = cfg.draft.dspark  # one block: every slot drafts with sample_from_anchor, else all but the anchor
+        return d.block_size - (0 if d.sample_from_anchor else 1)
+
     def activation_bytes(self, cfg, draft_config, *, tokens: int, samples: int) -> int:
         """DFlash's estimate, with every block query also holding full-vocabulary rows at the
         loss's peak, or the block mask's transient if that is larger (``block_mask_bytes``). With

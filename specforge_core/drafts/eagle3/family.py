@@ -70,6 +70,9 @@ class Eagle3Family:
     def tokenizer_token_ids(self, cfg) -> tuple[str, ...]:
         return ()  # the draft config needs no token id from the tokenizer
 
+    def default_num_steps(self, cfg) -> int:
+        return 3  # chain drafting's usual depth (SGLang --speculative-num-steps 3)
+
     def activation_bytes(self, cfg, draft_config, *, tokens: int, samples: int) -> int:
         """What one micro-step of ``tokens`` positions keeps for backward, at most: every TTT step
         on every position, each saving its layer's activations (``8H + 2·kv + 3I`` values: norm
