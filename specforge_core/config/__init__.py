@@ -50,21 +50,9 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint (off by default).")
     capture_layer_ids: list[int] | None = Field(
         None,
-        description="Target layers whose outputs feed the draft (3 distinct ids, output-of-layer "
+        description="EAGLE3: target layers whose outputs feed the draft (3 distinct ids, output-of-layer "
         "convention); default [1, N//2-1, N-4].",
     )
-
-    @field_validator("capture_layer_ids")
-    @classmethod
-    def _three_distinct(cls, v: list[int] | None) -> list[int] | None:
-        if v is None:
-            return v
-        if len(v) != 3 or len(set(v)) != 3 or min(v) < 0:
-            raise ValueError(
-                f"needs exactly 3 distinct non-negative layer ids, got {v}; "
-                "remove it to use the default [1, N//2-1, N-4]"
-            )
-        return v
 
 
 # Template variables the renderer sets itself (data/tokenize.py); data.chat_template_kwargs may not set them.

@@ -30,6 +30,14 @@ def test_an_eagle3_draft_takes_its_own_settings(overrides, field, fix):
     assert check_config(cfg) is cfg
 
 
+@pytest.mark.parametrize("ids", ["[1, 1, 2]", "[0, 1]", "[1, 2, 3, 4]", "[-1, 2, 3]"])
+def test_eagle3_capture_layers_are_three_distinct_layers(ids):
+    cfg = load_config(None, [f"model.capture_layer_ids={ids}"])
+    with pytest.raises(ConfigError, match="model.capture_layer_ids: needs exactly 3 distinct") as refused:
+        check_config(cfg)
+    assert "remove it to use the default [1, N//2-1, N-4]" in refused.value.fix
+
+
 @pytest.mark.parametrize("overrides, steps", [
     ([], 3),
     (["draft.family=dflash", "draft.dflash.block_size=8"], 7),
