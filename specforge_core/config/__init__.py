@@ -190,21 +190,6 @@ class DSparkSection(DFlashSection):
         "length validation.num_steps. Needs enable_confidence_head."
     )
 
-    @model_validator(mode="after")
-    def _heads_fit(self) -> "DSparkSection":
-        if self.confidence_threshold is not None and not self.enable_confidence_head:
-            raise ValueError("confidence_threshold schedules chains from the confidence head, which is off: set "
-                             "enable_confidence_head: true or remove confidence_threshold")
-        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
-            raise ValueError("confidence_head_with_markov reads the Markov head, but markov_rank is 0: set "
-                             "confidence_head_with_markov: false or markov_rank > 0")
-        if self.per_position_loss_weight == "dpace" and set(self.loss_terms) != {"ce"}:
-            raise ValueError("per_position_loss_weight=dpace weighs slots by their cross-entropy: set "
-                             "loss_terms: {ce: 1.0} (speculators' rule) or use fixed-exp-decay")
-        if not self.loss_terms:
-            raise ValueError("loss_terms is empty: give at least one of kl_div, tv, ce with a weight")
-        return self
-
 
 class DraftConfig(_Section):
     """The draft model: its family, the EAGLE3 family's fields, and ``draft.dflash`` for DFlash."""
