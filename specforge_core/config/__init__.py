@@ -8,7 +8,9 @@ Sections: ``model`` (the target), ``data``, ``draft``, ``training``, ``capture``
 ``deployment``, ``output``, ``validation``. Unknown keys and keys given twice are rejected
 everywhere; every error names the dotted field and the fix, and never echoes storage options.
 Rules that need the target's own config (context length, layer count) are checked where the
-target is loaded (``specforge_core.capture.target_info.validate_colocated``), not here.
+target is loaded (``specforge_core.capture.target_info.validate_colocated``), not here; rules of
+one draft family are its own (``specforge_core.drafts.check_config``, which every command and the
+flow run on a loaded config): this module holds types, ranges and rules every family shares.
 """
 
 import difflib
