@@ -23,6 +23,7 @@ from specforge_core.config import load_config
 from specforge_core.data.prompt_cache import ensure_prompt_cache
 from specforge_core.decoding.verifier import load_target
 from specforge_core.decoding.evaluation import capture_layers_for, load_draft_for_decoding
+from specforge_core.drafts import check_config
 from specforge_core.drafts.eagle3.objective import ttt_unroll
 
 
@@ -50,7 +51,7 @@ def main(argv=None) -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    cfg = load_config(args.config, args.overrides)
+    cfg = check_config(load_config(args.config, args.overrides))
     model, tok = load_target(cfg)
     family, draft = load_draft_for_decoding(args.draft, model)
     rows = ensure_prompt_cache(cfg, tok).train.select(range(args.rows))

@@ -433,9 +433,11 @@ def main(argv=None) -> int:
     from specforge_core.system.host import prefer_passive_omp_wait
 
     prefer_passive_omp_wait()  # before torch is imported: regeneration runs here, train and evaluate inherit it
+    from specforge_core.drafts import check_config  # imports torch
+
     args = parse_args(argv)
     try:
-        check = RealCheck(args, load_config(args.config, args.overrides))
+        check = RealCheck(args, check_config(load_config(args.config, args.overrides)))
         for stage in args.stages:
             start = time.perf_counter()
             result = getattr(check, f"{stage}_stage")()

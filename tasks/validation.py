@@ -35,7 +35,7 @@ from prefect.logging import get_run_logger
 from specforge_core.config import RunConfig
 from specforge_core.data.vocab import load_vocab_map
 from specforge_core.decoding.evaluation import evaluate, evaluate_benchmarks
-from specforge_core.drafts import load_draft
+from specforge_core.drafts import load_draft, validation_num_steps
 from specforge_core.io import atomic_write_text
 from specforge_core.run.directory import RunDir
 from tasks.caching import StageOutput
@@ -66,7 +66,7 @@ def render_summary(rows: dict[str, tuple[str, dict | None]], config: RunConfig, 
     lines = [
         "# colocated-train: validation", "", f"Draft family: **{family}**.", "",
         f"Measured by speculative decoding of {v.num_prompts} held-out prompts with the target "
-        f"(greedy, {config.validation_num_steps} draft tokens per verify pass, up to {v.max_new_tokens} new tokens each).", "",
+        f"(greedy, {validation_num_steps(config)} draft tokens per verify pass, up to {v.max_new_tokens} new tokens each).", "",
         "| draft | directory | measured acceptance length | per-position acceptance |", "|---|---|---|---|",
         *(_row(label, path, result) for label, (path, result) in rows.items()), "",
         f"![loss and acceptance curves]({plot_link})", "",
@@ -127,7 +127,7 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
         if config.validation.promote_on and promoted_result is not None:
             tables["promoted"] = benchmark("promoted", promoted, promoted)
 
-    plot = plot_curves(run.metrics, run.curves, num_steps=config.validation_num_steps,
+    plot = plot_curves(run.metrics, run.curves, num_steps=validation_num_steps(config),
                        measured={"before": before["acceptance_length"], "after": after["acceptance_length"]})
     summary = render_summary(rows, config, plot.name, family.name)
     evaluator_report = "\n".join(Path(r["report"]).read_text(encoding="utf-8") for r in (*tables.values(), after))

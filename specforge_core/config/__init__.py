@@ -8,7 +8,9 @@ Sections: ``model`` (the target), ``data``, ``draft``, ``training``, ``capture``
 ``deployment``, ``output``, ``validation``. Unknown keys and keys given twice are rejected
 everywhere; every error names the dotted field and the fix, and never echoes storage options.
 Rules that need the target's own config (context length, layer count) are checked where the
-target is loaded (``specforge_core.capture.target_info.validate_colocated``), not here.
+target is loaded (``specforge_core.capture.target_info.validate_colocated``), not here; rules of
+one draft family are its own (``specforge_core.drafts.check_config``, which every command and the
+flow run on a loaded config): this module holds types, ranges and rules every family shares.
 """
 
 import difflib
@@ -50,21 +52,9 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint (off by default).")
     capture_layer_ids: list[int] | None = Field(
         None,
-        description="Target layers whose outputs feed the draft (3 distinct ids, output-of-layer "
+        description="EAGLE3: target layers whose outputs feed the draft (3 distinct ids, output-of-layer "
         "convention); default [1, N//2-1, N-4].",
     )
-
-    @field_validator("capture_layer_ids")
-    @classmethod
-    def _three_distinct(cls, v: list[int] | None) -> list[int] | None:
-        if v is None:
-            return v
-        if len(v) != 3 or len(set(v)) != 3 or min(v) < 0:
-            raise ValueError(
-                f"needs exactly 3 distinct non-negative layer ids, got {v}; "
-                "remove it to use the default [1, N//2-1, N-4]"
-            )
-        return v
 
 
 # Template variables the renderer sets itself (data/tokenize.py); data.chat_template_kwargs may not set them.
@@ -201,21 +191,6 @@ class DSparkSection(DFlashSection):
         "running product of the confidence head's predicted acceptance falls below this; none: chains of the fixed "
         "length validation.num_steps. Needs enable_confidence_head."
     )
-
-    @model_validator(mode="after")
-    def _heads_fit(self) -> "DSparkSection":
-        if self.confidence_threshold is not None and not self.enable_confidence_head:
-            raise ValueError("confidence_threshold schedules chains from the confidence head, which is off: set "
-                             "enable_confidence_head: true or remove confidence_threshold")
-        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
-            raise ValueError("confidence_head_with_markov reads the Markov head, but markov_rank is 0: set "
-                             "confidence_head_with_markov: false or markov_rank > 0")
-        if self.per_position_loss_weight == "dpace" and set(self.loss_terms) != {"ce"}:
-            raise ValueError("per_position_loss_weight=dpace weighs slots by their cross-entropy: set "
-                             "loss_terms: {ce: 1.0} (speculators' rule) or use fixed-exp-decay")
-        if not self.loss_terms:
-            raise ValueError("loss_terms is empty: give at least one of kl_div, tv, ce with a weight")
-        return self
 
 
 class DraftConfig(_Section):
@@ -455,8 +430,8 @@ class BenchmarkSetting(_Section):
 class ValidationConfig(_Section):
     enabled: bool = True
     num_steps: int | None = Field(
-        None, ge=1, description="Draft tokens proposed per verify round; default: 3 for eagle3, "
-        "draft.dflash.block_size - 1 for dflash."
+        None, ge=1, description="Draft tokens proposed per verify round; default: the draft family's own "
+        "(the drafts of one block for a block family; each family's page in docs/)."
     )
     max_new_tokens: int = Field(128, ge=1)
     num_prompts: int = Field(32, ge=1)
@@ -559,15 +534,6 @@ class RunConfig(_Section):
                 "config has none; give data.eval_files (or data.eval_holdout: N), or set training.heldout.interval=0"
             )
         return self
-
-    @property
-    def validation_num_steps(self) -> int:
-        """Draft tokens per verify round for validation: ``validation.num_steps`` or the family's default."""
-        if self.validation.num_steps is not None:
-            return self.validation.num_steps
-        if self.draft.family == "dspark":
-            return self.draft.dspark.block_size - (0 if self.draft.dspark.sample_from_anchor else 1)
-        return self.draft.dflash.block_size - 1 if self.draft.family == "dflash" else 3
 
     def _check_sglang_capacity(self, topology) -> None:
         """The engine must hold one TP-wide batch: tp_size × batch_size rows of max_length tokens."""

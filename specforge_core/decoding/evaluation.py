@@ -112,9 +112,10 @@ def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_n
     metrics are read from ``run_dir`` (default ``output.dir``).
     """
     from specforge_core.data.tokenize import ChatRenderer
+    from specforge_core.drafts import validation_num_steps
 
     v = cfg.validation
-    num_steps = cfg.validation_num_steps if num_steps is None else num_steps
+    num_steps = validation_num_steps(cfg) if num_steps is None else num_steps
     max_new_tokens = v.max_new_tokens if max_new_tokens is None else max_new_tokens
     num_prompts = v.num_prompts if num_prompts is None else num_prompts
     run_dir = RunDir(run_dir or cfg.output.dir)

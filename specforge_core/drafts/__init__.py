@@ -2,6 +2,7 @@
 
     family = get_family(cfg.draft.family)          # "eagle3" (default) or "dflash"
     cfg = check_config(load_config(path))          # the family's own rules on a loaded config
+    k = validation_num_steps(cfg)                  # validation.num_steps, or the family's default
     family = family_of_files(export_or_step_dir)   # from the directory's config "architectures"
 
 A family is an object with the attributes and methods of :class:`DraftFamily`. The trainer, the
@@ -49,6 +50,9 @@ class DraftFamily(Protocol):
     # the token-id fields of the run config that draft_config fills from the tokenizer because the
     # config leaves them unset (the dry run, which reads no tokenizer, reports them unresolved)
     def tokenizer_token_ids(self, cfg) -> tuple[str, ...]: ...
+    # draft tokens per verify round when validation.num_steps is unset (validation, held-out decodes,
+    # evaluate): the setting the family trains for
+    def default_num_steps(self, cfg) -> int: ...
     # estimated bytes one micro-step of `tokens` captured tokens in `samples` samples keeps for backward
     def activation_bytes(self, cfg, draft_config, *, tokens: int, samples: int) -> int: ...
     def contract_fields(self, cfg) -> dict: ...
@@ -88,6 +92,14 @@ def check_config(cfg):
     what every command and the flow call where they load a run config, before anything is written."""
     get_family(cfg.draft.family).check_config(cfg)
     return cfg
+
+
+def validation_num_steps(cfg) -> int:
+    """Draft tokens per verify round for validation: ``validation.num_steps``, or the default of the
+    config's draft family (:meth:`DraftFamily.default_num_steps`)."""
+    if cfg.validation.num_steps is not None:
+        return cfg.validation.num_steps
+    return get_family(cfg.draft.family).default_num_steps(cfg)
 
 
 def family_of_files(directory: str | Path) -> DraftFamily:

@@ -48,8 +48,10 @@ class HeldOutDecoder:
     """Rank 0's decode of fixed held-out prompts with the draft's current weights."""
 
     def __init__(self, cfg, family, draft_config, prompts: list[list[int]]):
+        from specforge_core.drafts import validation_num_steps
+
         self.cfg, self.family, self.draft_config, self.prompts = cfg, family, draft_config, prompts
-        self.num_steps = cfg.validation_num_steps
+        self.num_steps = validation_num_steps(cfg)
         self.max_new_tokens = cfg.training.heldout.max_new_tokens
         self._target = None  # (model, stop ids, capture layer ids), loaded at the first decode
         self._draft = None

@@ -74,11 +74,6 @@ def test_tp_size_must_divide_world():
         load_config(None, ["capture.tp_size=2", "deployment.nproc_per_node=3"])
 
 
-def test_capture_ids_need_three_distinct():
-    with pytest.raises(ConfigError, match="model.capture_layer_ids: needs exactly 3 distinct"):
-        load_config(None, ["model.capture_layer_ids=[1, 1, 2]"])
-
-
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

@@ -4,7 +4,7 @@
 import pytest
 
 from specforge_core.config import load_config
-from specforge_core.drafts import check_config
+from specforge_core.drafts import check_config, validation_num_steps
 from specforge_core.errors import ConfigError
 
 EAGLE3_ONLY = [
@@ -28,3 +28,22 @@ def test_a_dflash_family_draft_refuses_eagle3_settings_naming_the_field_and_the_
 def test_an_eagle3_draft_takes_its_own_settings(overrides, field, fix):
     cfg = load_config(None, overrides)
     assert check_config(cfg) is cfg
+
+
+@pytest.mark.parametrize("ids", ["[1, 1, 2]", "[0, 1]", "[1, 2, 3, 4]", "[-1, 2, 3]"])
+def test_eagle3_capture_layers_are_three_distinct_layers(ids):
+    cfg = load_config(None, [f"model.capture_layer_ids={ids}"])
+    with pytest.raises(ConfigError, match="model.capture_layer_ids: needs exactly 3 distinct") as refused:
+        check_config(cfg)
+    assert "remove it to use the default [1, N//2-1, N-4]" in refused.value.fix
+
+
+@pytest.mark.parametrize("overrides, steps", [
+    ([], 3),
+    (["draft.family=dflash", "draft.dflash.block_size=8"], 7),
+    (["draft.family=dspark", "draft.dspark.block_size=6"], 6),
+    (["draft.family=dspark", "draft.dspark.block_size=6", "draft.dspark.sample_from_anchor=false"], 5),
+    (["draft.family=dspark", "validation.num_steps=2"], 2),
+])
+def test_validation_drafts_the_familys_default_steps_unless_the_config_sets_them(overrides, steps):
+    assert validation_num_steps(load_config(None, overrides)) == steps

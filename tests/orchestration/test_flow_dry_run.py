@@ -10,6 +10,7 @@ from flows.colocated_train import colocated_train
 from specforge_core.config import RunConfig
 from specforge_core.data.prompt_cache import ensure_prompt_cache
 from specforge_core.data.tokenize import load_tokenizer
+from specforge_core.errors import ConfigError
 from specforge_core.run.plan import PromptPlan
 from specforge_core.run.topology import Topology
 from tests.orchestration.conftest import tiny_config
@@ -58,3 +59,14 @@ def test_a_broken_layout_fails_the_flow_run_naming_the_field(prefect_api, profil
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
     assert "data.max_length" in str(error) and "max_position_embeddings" in str(error)
+
+
+def test_a_family_rule_fails_the_flow_run_before_any_task(prefect_api, profile):
+    """Prefect's parameter validation (what a deployment's run gets from the form) runs RunConfig's
+    own rules only; the flow's first statement runs the family's (drafts.check_config)."""
+    broken = {**profile, "draft": {**profile.get("draft", {}), "family": "dspark", "dspark": {"markov_rank": 0}}}
+    state = colocated_train(broken, dry_run=True, return_state=True)  # the JSON a deployment's run carries
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, ConfigError) and error.where == "draft.dspark.confidence_head_with_markov"
+    assert _task_states(state.state_details.flow_run_id) == {}

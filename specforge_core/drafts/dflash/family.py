@@ -142,6 +142,9 @@ class DFlashFamily:
         given = cfg.draft.dflash.mask_token_id is not None or cfg.draft.config_path
         return () if given else ("draft.dflash.mask_token_id",)
 
+    def default_num_steps(self, cfg) -> int:
+        return cfg.draft.dflash.block_size - 1  # one block: the anchor and its block_size - 1 drafts
+
     def activation_bytes(self, cfg, draft_config, *, tokens: int, samples: int) -> int:
         """What one micro-step keeps for backward, at most: ``Q = samples × min(num_anchors,
         tokens / samples) × block_size`` block queries, each saving every draft layer's activations

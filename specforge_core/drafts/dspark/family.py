@@ -16,7 +16,7 @@ from specforge_core.drafts.dflash.family import DFlashFamily, batch_generator, b
 from specforge_core.drafts.dspark import files, settings
 from specforge_core.drafts.dspark.architecture import DSparkDraftModel
 from specforge_core.drafts.dspark.objective import ObjectiveSettings, dspark_loss, summarize_dspark_metrics
-from specforge_core.errors import ModelError
+from specforge_core.errors import ConfigError, ModelError
 
 
 def objective_settings(section) -> ObjectiveSettings:
@@ -34,6 +34,25 @@ class DSparkFamily(DFlashFamily):
     captures_last_hidden = True  # the teacher: the target's next-token distributions
 
     # ---- configuration ---------------------------------------------------------------------------
+
+    def check_config(self, cfg) -> None:
+        """DFlash's refusals, then how ``draft.dspark``'s heads and loss fit together: a threshold
+        needs the confidence head, that head's Markov input the Markov head
+        (``settings.check_dspark_fields``, as for a draft config file), D-PACE the ``ce`` term alone."""
+        super().check_config(cfg)
+        d = cfg.draft.dspark
+        if d.confidence_threshold is not None and not d.enable_confidence_head:
+            raise ConfigError("confidence_threshold schedules chains from the confidence head, which is off",
+                              where="draft.dspark.confidence_threshold",
+                              fix="set draft.dspark.enable_confidence_head: true or remove confidence_threshold")
+        settings.check_dspark_fields({name: getattr(d, name) for name in settings.DEFAULTS})
+        if d.per_position_loss_weight == "dpace" and set(d.loss_terms) != {"ce"}:
+            raise ConfigError("per_position_loss_weight=dpace weighs slots by their cross-entropy",
+                              where="draft.dspark.per_position_loss_weight",
+                              fix="set draft.dspark.loss_terms: {ce: 1.0} (speculators' rule) or use fixed-exp-decay")
+        if not d.loss_terms:
+            raise ConfigError("loss_terms is empty", where="draft.dspark.loss_terms",
+                              fix="give at least one of kl_div, tv, ce with a weight")
 
     def capture_layer_ids(self, cfg, target_config, draft_config=None) -> tuple[int, ...]:
         n = int(text_config(target_config).num_hidden_layers)
@@ -74,6 +93,10 @@ class DSparkFamily(DFlashFamily):
     def tokenizer_token_ids(self, cfg) -> tuple[str, ...]:
         given = cfg.draft.dspark.mask_token_id is not None or cfg.draft.config_path
         return () if given else ("draft.dspark.mask_token_id",)
+
+    def default_num_steps(self, cfg) -> int:
+        d = cfg.draft.dspark  # one block: every slot drafts with sample_from_anchor, else all but the anchor
+        return d.block_size - (0 if d.sample_from_anchor else 1)
 
     def activation_bytes(self, cfg, draft_config, *, tokens: int, samples: int) -> int:
         """DFlash's estimate, with every block query also holding full-vocabulary rows at the

@@ -69,7 +69,7 @@ def check_dspark_fields(fields: dict) -> None:
                               fix="set true or false")
     if fields["enable_confidence_head"] and fields["confidence_head_with_markov"] and rank == 0:
         raise ConfigError(
-            "the confidence head reads the Markov head's previous-token embedding, but markov_rank is 0",
+            "confidence_head_with_markov reads the Markov head, but markov_rank is 0",
             where="draft.dspark.confidence_head_with_markov",
             fix="set draft.dspark.confidence_head_with_markov: false, or markov_rank > 0",
         )

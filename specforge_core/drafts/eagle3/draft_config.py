@@ -53,6 +53,14 @@ def default_capture_layer_ids(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
+def three_distinct_layer_ids(ids: list[int]) -> bool:
+    """Whether ``ids`` are 3 distinct non-negative layer ids, the layers the draft's ``fc`` fuses:
+    the run config's rule on ``model.capture_layer_ids`` (``family.check_config``), before any
+    target is known."""
+    return (len(ids) == NUM_AUX_HIDDEN_STATES and len(set(ids)) == len(ids)
+            and all(isinstance(i, int) and i >= 0 for i in ids))
+
+
 def check_capture_layer_ids(
     ids: list[int] | None, num_layers: int, where: str = "model.capture_layer_ids"
 ) -> list[int]:
@@ -62,9 +70,7 @@ def check_capture_layer_ids(
     default fails that for targets with fewer than 7 layers, and the message says to set the ids.
     """
     chosen = list(default_capture_layer_ids(num_layers) if ids is None else ids)
-    bad = len(chosen) != NUM_AUX_HIDDEN_STATES or len(set(chosen)) != len(chosen)
-    bad = bad or any(not isinstance(i, int) or i < 0 or i >= num_layers for i in chosen)
-    if bad:
+    if not three_distinct_layer_ids(chosen) or max(chosen) >= num_layers:
         origin = "the default [1, N//2-1, N-4]" if ids is None else "the configured ids"
         raise ModelError(
             f"capture layer ids {chosen} ({origin}) do not fit a target with {num_layers} layers: "

@@ -18,7 +18,7 @@ from specforge_core.drafts.eagle3 import serving
 from specforge_core.drafts.eagle3.metric_sums import summarize_metrics
 from specforge_core.drafts.eagle3.model import Eagle3DraftModel
 from specforge_core.drafts.eagle3.objective import eagle3_loss
-from specforge_core.errors import ModelError
+from specforge_core.errors import ConfigError, ModelError
 
 
 class Eagle3Family:
@@ -31,7 +31,15 @@ class Eagle3Family:
     # ---- configuration ---------------------------------------------------------------------------
 
     def check_config(self, cfg) -> None:
-        """Nothing to refuse: the run config's draft fields are EAGLE3's; ``draft.dflash.*`` is not read."""
+        """The run config's draft fields are EAGLE3's (``draft.dflash.*`` is not read); the capture
+        layers it names, if any, are 3 distinct layers (their range is checked against the target)."""
+        ids = cfg.model.capture_layer_ids
+        if ids is not None and not configs.three_distinct_layer_ids(ids):
+            raise ConfigError(
+                f"needs exactly 3 distinct non-negative layer ids, got {ids}",
+                where="model.capture_layer_ids",
+                fix="remove it to use the default [1, N//2-1, N-4], or give 3 distinct layer ids (low, middle, high)",
+            )
 
     def capture_layer_ids(self, cfg, target_config, draft_config=None) -> tuple[int, ...]:
         return resolve_capture_layers(cfg, target_config, draft_config)
@@ -69,6 +77,9 @@ class Eagle3Family:
 
     def tokenizer_token_ids(self, cfg) -> tuple[str, ...]:
         return ()  # the draft config needs no token id from the tokenizer
+
+    def default_num_steps(self, cfg) -> int:
+        return 3  # chain drafting's usual depth (SGLang --speculative-num-steps 3)
 
     def activation_bytes(self, cfg, draft_config, *, tokens: int, samples: int) -> int:
         """What one micro-step of ``tokens`` positions keeps for backward, at most: every TTT step

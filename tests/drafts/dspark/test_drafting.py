@@ -91,7 +91,7 @@ def test_speculative_decoding_with_the_drafter_is_lossless(target, threshold, fi
 
 def test_the_run_config_sets_the_evaluators_threshold_and_refuses_it_without_the_head(target):
     from specforge_core.config import load_config
-    from specforge_core.drafts import get_family
+    from specforge_core.drafts import check_config, get_family
     from specforge_core.errors import ConfigError
 
     draft = tiny_dspark(6, block_size=BLOCK).eval()
@@ -101,5 +101,6 @@ def test_the_run_config_sets_the_evaluators_threshold_and_refuses_it_without_the
     assert family.drafter(draft, target, load_config("examples/tiny-cpu.yaml", ["draft.family=dspark"])) \
         .confidence_threshold is None
     with pytest.raises(ConfigError, match="confidence_threshold"):
-        load_config("examples/tiny-cpu.yaml", ["draft.family=dspark", "draft.dspark.confidence_threshold=0.4",
-                                               "draft.dspark.enable_confidence_head=false"])
+        check_config(load_config("examples/tiny-cpu.yaml", ["draft.family=dspark",
+                                                            "draft.dspark.confidence_threshold=0.4",
+                                                            "draft.dspark.enable_confidence_head=false"]))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from specforge_core.config import DSparkSection
-from specforge_core.drafts import get_family
+from specforge_core.config import DSparkSection, load_config
+from specforge_core.drafts import check_config, get_family
 from specforge_core.drafts.dspark.objective import ObjectiveSettings
 from specforge_core.drafts.dspark.settings import (
     dspark_config_from_dict,
@@ -59,14 +59,18 @@ def test_a_dflash_config_is_not_a_dspark_config():
         dspark_config_from_dict(data)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"markov_rank": 0}, "markov_rank is 0"),
-    ({"per_position_loss_weight": "dpace"}, "loss_terms: {ce: 1.0}"),
-    ({"loss_terms": {}}, "loss_terms is empty"),
+@pytest.mark.parametrize("overrides, where, message", [
+    (["markov_rank=0"], "draft.dspark.confidence_head_with_markov", "markov_rank is 0"),
+    (["per_position_loss_weight=dpace"], "draft.dspark.per_position_loss_weight", "loss_terms: {ce: 1.0}"),
+    (["loss_terms={}"], "draft.dspark.loss_terms", "loss_terms is empty"),
+    (["confidence_threshold=0.5", "enable_confidence_head=false"], "draft.dspark.confidence_threshold",
+     "from the confidence head, which is off"),
 ])
-def test_run_config_section_refuses_inconsistent_fields(fields, message):
-    with pytest.raises(ValueError, match=message):
-        DSparkSection(**fields)
+def test_the_family_refuses_inconsistent_section_fields(overrides, where, message):
+    cfg = load_config(None, ["draft.family=dspark", *(f"draft.dspark.{o}" for o in overrides)])  # the config takes them
+    with pytest.raises(ConfigError, match=message) as info:
+        check_config(cfg)
+    assert info.value.where == where
 
 
 def test_objective_settings_refuse_unknown_terms():
