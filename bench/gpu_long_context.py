@@ -91,7 +91,7 @@ def run_peer(args, length: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", default="eagle3", help="comma-separated: eagle3, dflash")
+    ap.add_argument("--families", default="eagle3", help="comma-separated: eagle3, dflash, dspark")
     ap.add_argument("--lengths", default="4096,8192,16384,32768,65536")
     ap.add_argument("--modes", default="single,packed")
     ap.add_argument("--packed-sample", type=int, default=4096, help="tokens per sample of a packed point")

@@ -275,13 +275,17 @@ def run_config(args, *, compile_pointwise: bool = False, attention: str = "auto"
     """The run config of the timed steps: the fields the product's builder reads."""
     from specforge_core.config import load_config
 
+    blocks = [f"draft.dflash.num_layers={args.dflash_layers}", f"draft.dflash.block_size={args.dflash_block}",
+              f"draft.dflash.mask_token_id={args.dflash_mask}"]
+    if args.family == "dspark":  # its own section: DSpark's defaults, DFlash's layer count and mask token
+        blocks = [f"draft.dspark.num_layers={args.dflash_layers}", f"draft.dspark.mask_token_id={args.dflash_mask}"]
+    vocab = [] if args.vocab_d is None else [f"draft.draft_vocab_size={args.vocab_d}"]  # set once the target is built
     return load_config(None, [
         f"training.seed={args.seed}", f"training.ttt_length={args.ttt_length}", "training.ploss_decay=0.8",
-        f"draft.draft_vocab_size={args.vocab_d}", "training.param_dtype=bfloat16", "training.learning_rate=1e-4",
+        *vocab, "training.param_dtype=bfloat16", "training.learning_rate=1e-4",
         "training.warmup_ratio=0.015", "training.max_grad_norm=0.5", f"training.compile={compile_pointwise}",
         f"capture.device={'cuda' if args.device.type == 'cuda' else 'cpu'}", f"draft.family={args.family}",
-        f"draft.dflash.num_layers={args.dflash_layers}", f"draft.dflash.block_size={args.dflash_block}",
-        f"draft.dflash.mask_token_id={args.dflash_mask}", f"draft.attention_backend={attention}",
+        *blocks, f"draft.attention_backend={attention}",
     ])
 
 
@@ -362,7 +366,7 @@ def dense_batch(args, backend, b, t):
     return CapturedBatch(
         input_ids=torch.randint(3, v, (b, t), device=d), attention_mask=ones, loss_mask=ones.clone(),
         aux_hidden=torch.randn(b, t, k * h, device=d, dtype=torch.bfloat16),
-        last_hidden=torch.randn(b, t, h, device=d, dtype=torch.bfloat16) if args.family == "eagle3" else None,
+        last_hidden=torch.randn(b, t, h, device=d, dtype=torch.bfloat16) if backend.keep_last_hidden else None,
         task_ids=tuple(f"dense-{i}" for i in range(b)),
         host_masks=HostMasks(torch.ones(b, t, dtype=torch.long), torch.ones(b, t, dtype=torch.long)),  # as a capture keeps them
     )
@@ -877,10 +881,12 @@ def parse_args(argv=None):
     p.add_argument("--sample-length", type=int, default=None,
                    help="every sample exactly this many tokens (default: ShareGPT-like lengths, 64..4096)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--family", default="eagle3", choices=["eagle3", "dflash"], help="the draft family to time")
+    p.add_argument("--family", default="eagle3", choices=["eagle3", "dflash", "dspark"], help="the draft family to time "
+                   "(dspark: the train phase only; its peer's step is bench/gpu_families.py's)")
     p.add_argument("--dflash-layers", type=int, default=5, help="DFlash draft layers (= captured target layers)")
     p.add_argument("--dflash-block", type=int, default=16)
-    p.add_argument("--dflash-mask", type=int, default=151669, help="DFlash mask token id (Qwen3's)")
+    p.add_argument("--dflash-mask", type=int, default=None, help="DFlash mask token id (default: Qwen3's, 151669; "
+                   "the tiny shape's last row, 4095)")
     p.add_argument("--peer-teachers", default="full",
                    help="full (the peer's best: handed target logits); full,compact: also from the last hidden state")
     p.add_argument("--profile", action="store_true", help="draft phase: split and profile each timed shape; train phase: "
@@ -901,6 +907,10 @@ def parse_args(argv=None):
         p.error(f"--peer-teachers: {sorted(unknown)} unknown; give full and/or compact")
     if args.family != "eagle3" and args.peer_teachers != ["full"]:
         p.error("--peer-teachers: the compact teacher is EAGLE3's; leave it out with --family dflash")
+    if args.dflash_mask is None:
+        args.dflash_mask = 4095 if args.shape == "tiny" else 151669
+    if args.family == "dspark" and set(args.phases) - {"train"}:
+        p.error(f"--family dspark times the train phase only (--phases train), not {','.join(args.phases)}")
     args.draft_shapes = [tuple(int(x) for x in s.split("x")) for s in args.draft_shapes.split(",")]
     args.plain_shape = tuple(int(x) for x in args.plain_shape.split("x"))
     return args
@@ -915,11 +925,12 @@ def build_backend(args):
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=4096,
                                   max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1e6)
     model = ref.build_random_target(args.shape, device=str(args.device))
-    if args.family == "dflash":
+    if args.family != "eagle3":
         from specforge_core.drafts import get_family
 
-        layer_ids = get_family("dflash").capture_layer_ids(run_config(args), model.config)
-        return HFCaptureBackend(model, layer_ids, keep_last_hidden=False)
+        family = get_family(args.family)
+        layer_ids = family.capture_layer_ids(run_config(args), model.config)
+        return HFCaptureBackend(model, layer_ids, keep_last_hidden=family.captures_last_hidden)
     return HFCaptureBackend(model, default_capture_layers(model.config.num_hidden_layers))
 
 
