@@ -285,6 +285,11 @@ class TrainingConfig(_Section):
         "cached in <output.dir>/compile-cache for a resumed run. Off: only flex attention is compiled, where it "
         "is used. Start time and tokens/s either way: docs/performance.md."
     )
+    activation_checkpointing: bool = Field(
+        False, description="EAGLE3 / EAGLE-3.1: keep only the inputs of each unrolled step's MLP block (o_proj, "
+        "post-attention norm, MLP) for backward and recompute it there: less memory per token for long samples, "
+        "one more forward of that block per step. What it saves and costs: docs/long-context.md."
+    )
     save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0: not by steps).")
     save_every_minutes: float = Field(
         30, ge=0, description="Also checkpoint once this much wall time has passed since the start or the "

@@ -140,7 +140,8 @@ def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config
     """The draft of ``family`` for this target: warm-started from ``draft.init_from`` or freshly
     initialised on the target's device (every rank draws the same initial weights from
     ``training.seed``; a GPU's draw differs from a CPU's), given the
-    target's frozen embedding / vocab map, and compiled where ``training.compile`` says."""
+    target's frozen embedding / vocab map, compiled where ``training.compile`` says and with its
+    recomputed regions checkpointed where ``training.activation_checkpointing`` says."""
     draft_config = draft_config or family.draft_config(cfg, target_config or backend.target_config, backend.layer_ids)
     torch.manual_seed(cfg.training.seed)
     # A warm start keeps its exported dtype here; sharding makes the trainable weights fp32 masters.
@@ -153,9 +154,12 @@ def build_draft(cfg, family, backend, vocab, *, draft_config=None, target_config
             draft = family.new_draft(draft_config)
     family.attach_target(cfg, draft, backend, vocab, fresh=not cfg.draft.init_from)
     from specforge_core.system.compile import compile_pointwise
+    from specforge_core.system.recompute import recompute_regions
 
     if cfg.training.compile and backend.device.type == "cuda":
         compile_pointwise(draft)
+    if cfg.training.activation_checkpointing:
+        recompute_regions(draft)  # after compiling: the backward reruns the compiled regions
     return draft
 
 

@@ -94,6 +94,13 @@ class DFlashFamily:
                 "draft.attention_backend=flash is EAGLE3's step-0 kernel; a DFlash draft attends with sdpa or flex",
                 where="draft.attention_backend", fix="use auto, sdpa or flex",
             )
+        if cfg.training.activation_checkpointing:
+            raise ConfigError(
+                "training.activation_checkpointing recomputes EAGLE3's unrolled steps; a DFlash-family draft's "
+                "block queries are at most num_anchors × block_size per sample, whatever its length",
+                where="training.activation_checkpointing",
+                fix="remove training.activation_checkpointing (lower num_anchors to lower the draft's memory)",
+            )
         if cfg.draft.lm_head_init != "random":
             raise ConfigError(
                 f"draft.lm_head_init={cfg.draft.lm_head_init}: a DFlash draft has no lm_head of its own (it "

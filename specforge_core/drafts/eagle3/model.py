@@ -120,6 +120,7 @@ class Eagle3DecoderLayer(nn.Module):
     with ``training.compile`` on CUDA (``system.compile.compile_pointwise``)."""
 
     compiled_regions = ("project_qkv", "complete")
+    recomputed_regions = ("complete",)  # training.activation_checkpointing (system/recompute.py)
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
