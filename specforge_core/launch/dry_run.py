@@ -215,6 +215,8 @@ class DryRunReport:
                    f"up to {tokens} tokens and its {largest} grow with them)")
             if self.family in ("dflash", "dspark"):
                 fix += f", or draft.{self.family}.num_anchors (the block queries of each sample)"
+            elif not cfg.training.activation_checkpointing:
+                fix += ", or set training.activation_checkpointing: true (each step's MLP block recomputed in backward)"
             fix += f"; or make room by sharding the target ({engine})"
         elif largest in ("target", "kv_pool"):
             where, fix = "capture.tp_size", f"shard the target: {engine}" + (" (or lower capture.sglang.mem_fraction_static)"

@@ -85,17 +85,22 @@ class Eagle3Family:
         """What one micro-step of ``tokens`` positions keeps for backward, at most: every TTT step
         on every position, each saving its layer's activations (``8H + 2·kv + 3I`` values: norm
         inputs, the 2H concat, q/k/v, attention and MLP inputs, gate/up/act), the final norm's and
-        lm_head's inputs (``2H``), its logits over Vd in the compute dtype and ``4·Vd`` bytes
-        more (on CUDA the logits' gradient, which the backward makes for every step at once: the
-        head scores all steps in one pass); plus the teacher
-        itself (fp32 ``[Vd]``) and ``fc``'s output once. With ``training.compile`` the fused
-        norms and MLP keep ``I + 4H`` values fewer per step: the saving measured at the Qwen3-8B
-        shape (docs/gpu.md compares both with the bench)."""
+        lm_head's inputs (``2H``), and ``4·Vd`` bytes for the head's output (the soft
+        cross-entropy keeps the step's logits in fp32, not the compute dtype's copy); plus the
+        teacher itself (fp32 ``[Vd]``) and ``fc``'s output once. With ``training.compile`` the
+        fused norms and MLP keep ``I + 4H`` values fewer per step; with
+        ``training.activation_checkpointing`` the MLP block keeps only its inputs instead (``2H +
+        3I`` values fewer per step, compiled or not). Held against the peaks measured at the Qwen3-8B
+        shape (docs/long-context.md; ``tests/drafts/eagle3/test_recompute.py``)."""
         c = 2 if cfg.training.param_dtype == "bfloat16" else 4  # bytes per value of the compute dtype
         h, i, vd = draft_config.hidden_size, draft_config.intermediate_size, draft_config.draft_vocab_size
         kv = draft_config.num_key_value_heads * (draft_config.head_dim or h // draft_config.num_attention_heads)
-        layer = 10 * h + 2 * kv + 3 * i - (i + 4 * h if cfg.training.compile else 0)
-        per_step = (layer + vd) * c + 4 * vd
+        layer = 10 * h + 2 * kv + 3 * i
+        if cfg.training.activation_checkpointing:
+            layer -= 2 * h + 3 * i  # compiled or not: what compiling saves lies inside the block
+        elif cfg.training.compile:
+            layer -= i + 4 * h
+        per_step = layer * c + 4 * vd
         return tokens * (cfg.training.ttt_length * per_step + 4 * vd + h * c)
 
     def contract_fields(self, cfg) -> dict:
