@@ -2,6 +2,8 @@
 
     python bench/gpu_long_context.py --out DIR                                   # EAGLE3, 4k..64k, one GPU
     python bench/gpu_long_context.py --families eagle3,dflash --lengths 4096,32768 --no-peer --out DIR
+    python bench/gpu_long_context.py --lengths 16384,32768,65536 --activation-checkpointing --no-peer --out DIR
+    python bench/gpu_long_context.py --variant compiled --activation-checkpointing --out DIR   # the 32k recipe's step
     python bench/gpu_long_context.py --shape tiny --device cpu --lengths 256,512 --steps 1 --no-peer  # smoke test
 
 Needs torch + transformers (the peer: the ``specforge==0.2.0`` wheel, ``--no-deps``). Per family
@@ -42,9 +44,10 @@ def gpu_train_command(args, family: str, length: int, mode: str, out: Path) -> l
     batch = max(1, length // args.packed_sample) if packed else 1
     steps = args.warmup + args.steps + 1  # + the step that splits the memory by phase
     return [sys.executable, str(HERE / "gpu_train.py"), "--shape", args.shape, "--device", args.device,
-            "--family", family, "--phases", "train", "--draft-variants", "eager", "--steps", str(args.steps),
+            "--family", family, "--phases", "train", "--draft-variants", args.variant, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--sample-length", str(sample), "--batch-size", str(batch),
-            "--token-budget", str(sample * batch), "--samples", str(steps * batch), "--out", str(out)]
+            "--token-budget", str(sample * batch), "--samples", str(steps * batch), "--out", str(out),
+            *(["--activation-checkpointing"] if args.activation_checkpointing else [])]
 
 
 def run_point(args, family: str, length: int, mode: str) -> dict:
@@ -58,15 +61,16 @@ def run_point(args, family: str, length: int, mode: str) -> dict:
             return {"error": f"no result within --point-timeout {args.point_timeout} s"}
         results = Path(tmp) / "results.json"
         found = json.loads(results.read_text()) if results.is_file() else {}
-    error = found.get("train_eager_error", "") or (done.stderr[-2000:] if done.returncode else "")
+    key = f"train_{args.variant}_"
+    error = found.get(f"{key}error", "") or (done.stderr[-2000:] if done.returncode else "")
     if any(sign in error for sign in OOM):
         return {"oom": True}
-    if error or "train_eager_tokens_per_s" not in found:
+    if error or f"{key}tokens_per_s" not in found:
         return {"error": (error or done.stdout[-2000:])[-2000:]}
-    point = {name: found.get(f"train_eager_{name}") for name in (
+    point = {name: found.get(f"{key}{name}") for name in (
         "tokens_per_s", "samples_per_s", "tokens_per_step", "peak_allocated_gib", "peak_reserved_gib")}
-    point["memory_gib"] = {key.removeprefix("train_eager_memory_").removesuffix("_gib"): value
-                           for key, value in found.items() if key.startswith("train_eager_memory_")}
+    point["memory_gib"] = {name.removeprefix(f"{key}memory_").removesuffix("_gib"): value
+                           for name, value in found.items() if name.startswith(f"{key}memory_")}
     point["process_s"] = round(time.perf_counter() - t, 1)
     point["device"] = found.get("device")
     return point
@@ -100,11 +104,16 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--point-timeout", type=float, default=600)
+    ap.add_argument("--variant", choices=["eager", "compiled"], default="eager",
+                    help="the draft step as built without or with training.compile")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="training.activation_checkpointing (EAGLE3): the MLP block of each unrolled step recomputed")
     ap.add_argument("--no-peer", action="store_true", help="leave SpecForge's step out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
-    curve: dict = {"shape": args.shape, "date": time.strftime("%Y-%m-%d"), "lengths": lengths, "points": []}
+    curve: dict = {"shape": args.shape, "date": time.strftime("%Y-%m-%d"), "lengths": lengths, "variant": args.variant,
+                   "activation_checkpointing": args.activation_checkpointing, "points": []}
 
     def record(point: dict) -> None:
         curve["points"].append(point)

@@ -286,6 +286,7 @@ def run_config(args, *, compile_pointwise: bool = False, attention: str = "auto"
         "training.warmup_ratio=0.015", "training.max_grad_norm=0.5", f"training.compile={compile_pointwise}",
         f"capture.device={'cuda' if args.device.type == 'cuda' else 'cpu'}", f"draft.family={args.family}",
         *blocks, f"draft.attention_backend={attention}",
+        f"training.activation_checkpointing={str(args.activation_checkpointing).lower()}",
     ])
 
 
@@ -885,6 +886,8 @@ def parse_args(argv=None):
                    "(dspark: the train phase only; its peer's step is bench/gpu_families.py's)")
     p.add_argument("--dflash-layers", type=int, default=5, help="DFlash draft layers (= captured target layers)")
     p.add_argument("--dflash-block", type=int, default=16)
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="training.activation_checkpointing (EAGLE3: each unrolled step's MLP block recomputed in backward)")
     p.add_argument("--dflash-mask", type=int, default=None, help="DFlash mask token id (default: Qwen3's, 151669; "
                    "the tiny shape's last row, 4095)")
     p.add_argument("--peer-teachers", default="full",

@@ -119,14 +119,17 @@ def test_the_documented_cpu_smoke_run_of_the_gpu_bench_trains_a_tiny_draft(tmp_p
     assert results["draft_eager_1x256_teacher_given_tokens_per_s"] > 0  # the same step handed its teacher
 
 
-@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
-def test_the_long_context_curve_runs_each_point_in_its_own_process_with_the_same_tokens(tmp_path, family):
+@pytest.mark.parametrize("family, options", [("eagle3", ()), ("eagle3", ("--activation-checkpointing",)),
+                                             ("dflash", ()), ("dspark", ())])
+def test_the_long_context_curve_runs_each_point_in_its_own_process_with_the_same_tokens(tmp_path, family, options):
     cmd = [sys.executable, str(BENCH / "gpu_long_context.py"), "--shape", "tiny", "--device", "cpu", "--lengths", "256",
            "--packed-sample", "128", "--steps", "1", "--warmup", "1", "--no-peer", "--families", family,
-           "--out", str(tmp_path)]
+           *options, "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    points = json.loads((tmp_path / "long_context.json").read_text())["points"]
+    curve = json.loads((tmp_path / "long_context.json").read_text())
+    assert curve["activation_checkpointing"] == bool(options) and curve["variant"] == "eager"
+    points = curve["points"]
     assert [(p["family"], p["mode"], p["length"]) for p in points] == [(family, "single", 256), (family, "packed", 256)]
     single, packed = points
     assert single["tokens_per_step"] == packed["tokens_per_step"] == 256  # one sample of 256, two of 128
