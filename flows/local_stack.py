@@ -29,6 +29,18 @@ PROJECT_DIR = Path(__file__).resolve().parents[1]
 PREFECT_YAML = PROJECT_DIR / "deployments" / "prefect.yaml"
 
 
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """``predicate()``'s first truthy value, polled every ``interval`` s; TimeoutError naming
+    ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

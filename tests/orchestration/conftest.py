@@ -2,10 +2,11 @@
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
+
+from flows.local_stack import wait_for  # noqa: F401  (the tests import it from here)
 
 
 @pytest.fixture(scope="session")
@@ -35,14 +36,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def read_pids(path: Path) -> list[int] | None:
