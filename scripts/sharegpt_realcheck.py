@@ -23,7 +23,7 @@ Stages, in order; each can be run again after an interruption and goes on where 
    it), under the same rules, for runs that need more answers than there are conversations
    (≈ 7,000 first turns fit 384 tokens, ≈ 45,000 user turns in all).
 2. ``regenerate``: the target answers the train prompts greedily (``decoding.answering.regenerate``,
-   ``--answer-tokens`` new tokens at most) into a pool shared by every run with the same target
+   ``--answer-tokens`` new tokens at most; ``--regen-engine sglang`` on a GPU) into a pool shared by every run with the same target
    and answer length (resumable by id); the run's train file is the pool's answers to its prompts.
 3. ``train``: ``python -m specforge_core.train`` on the resolved config, ``<output.dir>/realcheck.yaml``
    (the base config, the overrides, the data files; every by-hand command takes it): use
@@ -222,7 +222,8 @@ class RealCheck:
         result = {"already_written": len(wanted)}
         if not set(wanted) <= written_ids(self.pool):
             result = regenerate(self.base, self.pool, files=[str(self.prompts["train"])],
-                                batch_size=self.args.regen_batch_size, max_new_tokens=self.args.answer_tokens)
+                                batch_size=self.args.regen_batch_size, max_new_tokens=self.args.answer_tokens,
+                                engine=self.args.regen_engine)
             atomic_write_text(self.run / f"regenerate-{int(time.time())}.json", json.dumps(result, indent=2))
         answers = {r["id"]: r for r in read_jsonl(self.pool)}
         missing = [i for i in wanted if i not in answers]
@@ -436,6 +437,8 @@ def parse_args(argv=None):
                     help="train prompts: conversations' first user turns, or then every other user turn alone")
     ap.add_argument("--answer-tokens", type=int, default=128, help="new tokens per regenerated answer, at most")
     ap.add_argument("--regen-batch-size", type=int, default=16)
+    ap.add_argument("--regen-engine", choices=["hf", "sglang"], default="hf",
+                    help="who answers the train prompts: transformers, or SGLang on a GPU (give it --regen-batch-size 512)")
     ap.add_argument("--validation-prompts", type=int, default=32)
     ap.add_argument("--heldout-prompts", type=int, default=64)
     ap.add_argument("--eval-new-tokens", type=int, default=96, help="tokens decoded per prompt when evaluating")

@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -142,16 +143,22 @@ def test_answers_are_pooled_and_a_larger_run_answers_only_the_new_prompts(tiny_t
 
 
 @pytest.mark.slow
-def test_the_whole_chain_trains_on_a_budget_evaluates_and_reports(tiny_target_dir, tmp_path):
+def tiny_base(tmp_path, target, run: str, **training) -> Path:
+    """A real-check config for the tiny target on the CPU, written under ``tmp_path``."""
     base = tmp_path / "base.yaml"
     base.write_text(json.dumps({
-        "model": {"target": str(tiny_target_dir), "dtype": "float32"},
+        "model": {"target": str(target), "dtype": "float32"},
         "data": {"eval_files": ["replaced-by-the-script.jsonl"], "max_length": 96, "cache_dir": str(tmp_path / "cache")},
         "draft": {"draft_vocab_size": 256},
-        "training": {"time_budget": "4s", "num_epochs": 1000, "batch_size": 2, "ttt_length": 3, "log_interval": 5,
-                     "heldout": {"interval": 10, "num_prompts": 2, "max_new_tokens": 8}},
-        "capture": {"device": "cpu"}, "output": {"dir": str(tmp_path / "run")},
+        "training": {"num_epochs": 1000, "batch_size": 2, "ttt_length": 3, "log_interval": 5, **training},
+        "capture": {"device": "cpu"}, "output": {"dir": str(tmp_path / run)},
     }))
+    return base
+
+
+def test_the_whole_chain_trains_on_a_budget_evaluates_and_reports(tiny_target_dir, tmp_path):
+    base = tiny_base(tmp_path, tiny_target_dir, "run", time_budget="4s",
+                     heldout={"interval": 10, "num_prompts": 2, "max_new_tokens": 8})
     argv = ["--config", str(base), "--data", str(tmp_path / "data"), "--answers", "4", "--answer-tokens", "8",
             "--validation-prompts", "2", "--heldout-prompts", "2", "--eval-new-tokens", "8"]
     assert main(argv) == 0
@@ -175,6 +182,26 @@ def test_the_whole_chain_trains_on_a_budget_evaluates_and_reports(tiny_target_di
     before = (tmp_path / "run" / "eval-heldout.json").read_text()
     assert main(argv) == 0
     assert (tmp_path / "run" / "eval-heldout.json").read_text() == before
+
+
+@pytest.mark.slow
+def test_the_gpu_minute_bench_runs_the_chain_per_family_and_gathers_the_figures(tiny_target_dir, tmp_path):
+    """bench/gpu_quality.py on a CPU: one family on one device, its run, held-out and benchmark τ."""
+    base = tiny_base(tmp_path, tiny_target_dir, "prep", heldout={"interval": 5, "num_prompts": 2, "max_new_tokens": 8})
+    counts = ["--answers", "4", "--answer-tokens", "8", "--validation-prompts", "2", "--heldout-prompts", "2"]
+    assert main(["--config", str(base), "--data", str(tmp_path / "data"), *counts, "--stages", "data,regenerate"]) == 0
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_quality.py"), "--config", str(base), "--data", str(tmp_path / "data"),
+           *counts, "--new-tokens", "8", "--minutes", "0.05", "--families", "eagle3", "--gpus", "cpu",
+           "--benchmarks", "mt-bench", "--benchmark-limit", "1", "--out", str(tmp_path / "out")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-2000:] + (tmp_path / "out" / "eagle3.log").read_text()[-3000:]
+    result = json.loads((tmp_path / "out" / "quality.json").read_text())
+    [row] = result["families"]
+    run = json.loads((tmp_path / "out" / "eagle3" / "results.json").read_text())
+    assert row["family"] == "eagle3" and row["samples"] == run["training"]["samples"] > 0
+    assert row["heldout_acceptance_length"] == run["heldout"]["acceptance_length"] >= 1.0
+    assert set(row["benchmarks"]) == {"mt-bench"} and row["benchmarks"]["mt-bench"] >= 1.0
+    assert row["curve"] and (tmp_path / "out" / "quality.png").is_file() and not result["failed"]
 
 
 @pytest.mark.parametrize("flag,value,says", [("--stages", "data,tune", "unknown stage(s) tune"),
