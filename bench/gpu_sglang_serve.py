@@ -63,28 +63,6 @@ def ours(target: str, draft: str, prompts: list[list[int]], k: int, new_tokens: 
     return out
 
 
-def speculative_args(draft: str, k: int | None) -> tuple[dict, int]:
-    """SGLang 0.5.14's speculative engine arguments for the export at ``draft`` (module doc) and
-    the draft tokens per verify pass both sides use (``k``, or the family's natural setting)."""
-    from specforge_core.drafts import family_of_files
-
-    family = family_of_files(draft)
-    config = json.loads((Path(draft) / "config.json").read_text())
-    if family.name == "eagle3":
-        k = k or 3
-        return dict(speculative_algorithm="EAGLE3", speculative_num_steps=k, speculative_eagle_topk=1,
-                    speculative_num_draft_tokens=k + 1), k
-    dflash = config.get("dflash_config") or {}
-    if family.name != "dflash" or any(key in dflash for key in ("conv_kernel_size", "selector_rank")):
-        raise SystemExit(f"{draft}: a {config.get('architectures')} draft: SGLang 0.5.14 serves EAGLE3 "
-                         "(EAGLE-3.1 included) and DFlash exports only")
-    block = int(config.get("block_size") or dflash.get("block_size"))
-    k = k or block - 1
-    if k > block - 1:
-        raise SystemExit(f"--num-steps {k}: a block of {block} drafts at most {block - 1} tokens")
-    return dict(speculative_algorithm="DFLASH", speculative_num_draft_tokens=block), k
-
-
 def sglang_side(target: str, draft: str, prompts: list[list[int]], spec: dict, new_tokens: int) -> dict:
     import sglang
 
@@ -120,7 +98,9 @@ def main(argv=None) -> int:
         write_prompts(*args.write_prompts, args.limit)
         return 0
     prompts = [json.loads(x)["prompt_ids"] for x in Path(args.prompts).read_text().splitlines()][: args.limit]
-    spec, k = speculative_args(args.draft, args.num_steps)
+    from specforge_core.decoding.served import speculative_arguments
+
+    spec, k = speculative_arguments(args.draft, args.num_steps)
     mine = ours(args.target, args.draft, prompts, k, args.max_new_tokens)
     theirs = sglang_side(args.target, args.draft, prompts, spec, args.max_new_tokens)
     ratio = theirs["acceptance_length"] / mine["acceptance_length"]

@@ -89,10 +89,15 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
     # The trainer's view: output.dir is the run directory, so the evaluator reads its metrics.
     eval_config = trainer_config(config, run.root, vocab_map)
 
-    def measure(label: str, path: Path, metrics_dir: Path) -> dict:
-        result = evaluate(eval_config, path, report_path=run.validation_report(label), run_dir=metrics_dir)
+    def measure(label: str, path: Path, metrics_dir: Path, served: bool = False) -> dict:
+        result = evaluate(eval_config, path, report_path=run.validation_report(label), run_dir=metrics_dir,
+                          served=served)
         logger.info("measured acceptance length of the %s draft: %.3f tokens per target forward on %d "
                     "held-out prompts (%s)", label, result["acceptance_length"], result["prompts"], path)
+        if served:
+            s = result["served"]
+            logger.info("served by SGLang: acceptance length %s, %s × ours%s", s["acceptance_length"], s["ratio"],
+                        "" if s["within_5_percent"] in (True, None) else f" (more than 5 % apart: {s['note']})")
         return result
 
     def benchmark(label: str, path: Path, metrics_dir: Path) -> dict:
@@ -105,7 +110,7 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
                         figures, b["prompts"], b["requests"], b["seconds"])
         return result
 
-    after = measure("trained", draft_dir, run.root)
+    after = measure("trained", draft_dir, run.root, served=config.validation.engine == "sglang")
     warm = bool(config.draft.init_from)
     if warm:
         before_dir = Path(config.draft.init_from)
@@ -146,6 +151,7 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
         "acceptance_length_before": before["acceptance_length"],
         "acceptance_length_promoted": None if promoted_result is None else promoted_result["acceptance_length"],
         "simulated_acceptance_length": after.get("simulated_acceptance_length"),
+        "served": after.get("served"),
         "measured": json.loads(json.dumps({k: v for k, v in after.items() if k != "report"})),
         "benchmarks": tables["trained"]["benchmarks"] if "trained" in tables else None,
         "benchmarks_promoted": tables["promoted"]["benchmarks"] if "promoted" in tables else None,

@@ -434,6 +434,11 @@ class BenchmarkSetting(_Section):
 
 class ValidationConfig(_Section):
     enabled: bool = True
+    engine: Literal["ours", "sglang"] = Field(
+        "ours", description="sglang: SGLang 0.5.14 (GPU) also serves the exported draft on the held-out prompts "
+        "and its own acceptance length is reported beside our evaluator's (EAGLE3, EAGLE-3.1 and DFlash drafts; "
+        "docs/validation.md)."
+    )
     num_steps: int | None = Field(
         None, ge=1, description="Draft tokens proposed per verify round; default: the draft family's own "
         "(the drafts of one block for a block family; each family's page in docs/)."

@@ -105,11 +105,15 @@ def template_kwargs_facts(cfg, draft_path, run_dir) -> tuple[dict, list[str]]:
 
 def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_new_tokens: int | None = None,
              num_prompts: int | None = None, report_path: str | Path | None = None,
-             run_dir: str | Path | None = None, batch_size: int = 8, check_lossless: bool = False) -> dict:
+             run_dir: str | Path | None = None, batch_size: int = 8, check_lossless: bool = False,
+             served: bool = False, engine_factory=None) -> dict:
     """Measure the draft at ``draft_path``; write the report; return the measured numbers.
 
     Defaults come from ``cfg.validation`` (num_steps, max_new_tokens, num_prompts); training
-    metrics are read from ``run_dir`` (default ``output.dir``).
+    metrics are read from ``run_dir`` (default ``output.dir``). ``served`` (an export at
+    ``draft_path``): SGLang also serves it on the same prompts and stop tokens, and its own
+    acceptance length goes beside ours (``decoding/served.py``; ``engine_factory`` stands in for
+    ``sglang.Engine``) as ``result["served"]``.
     """
     from specforge_core.data.tokenize import ChatRenderer
     from specforge_core.drafts import validation_num_steps
@@ -135,10 +139,19 @@ def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_n
     meta = {"draft": str(draft_path), "draft family": family.name, "target": cfg.model.target,
             "capture layers": capture_ids, "max new tokens": max_new_tokens,
             "training metrics": str(run_dir.metrics), **facts}
-    atomic_write_text(report_path, render_report(measured, simulated, meta, warnings))
+    extra = {}
+    text = render_report(measured, simulated, meta, warnings)
+    if served:
+        from specforge_core.decoding.served import compare_served, served_acceptance, served_section
+
+        figures = served_acceptance(cfg, draft_path, prompts, num_steps=num_steps, max_new_tokens=max_new_tokens,
+                                    stop_ids=stops, engine_factory=engine_factory)
+        extra["served"] = {**figures, **compare_served(measured["acceptance_length"], figures["acceptance_length"])}
+        text += served_section(measured["acceptance_length"], extra["served"])
+    atomic_write_text(report_path, text)
     return {**measured, "max_new_tokens": max_new_tokens,
             "simulated_acceptance_length": simulated["acceptance_length"] if simulated else None,
-            "warnings": warnings, "report": str(report_path)}
+            "warnings": warnings, "report": str(report_path), **extra}
 
 
 class ChatCodec:

@@ -94,6 +94,12 @@ class DFlashFamily:
                 "draft.attention_backend=flash is EAGLE3's step-0 kernel; a DFlash draft attends with sdpa or flex",
                 where="draft.attention_backend", fix="use auto, sdpa or flex",
             )
+        if cfg.validation.engine == "sglang" and (cfg.draft.family == "dspark" or cfg.draft.dflash.dflash2):
+            kind = "DSpark" if cfg.draft.family == "dspark" else "DFlash2"
+            raise ConfigError(
+                f"validation.engine=sglang: SGLang 0.5.14 cannot serve a {kind} draft (no such speculative "
+                "algorithm, no convolution or selector in its DFlash model)",
+                where="validation.engine", fix="set validation.engine: ours (docs/families.md says who serves it)")
         if cfg.training.activation_checkpointing:
             raise ConfigError(
                 "training.activation_checkpointing recomputes EAGLE3's unrolled steps; a DFlash-family draft's "
