@@ -61,6 +61,7 @@ def stages(client, flow_run_id: str) -> dict[str, list[dict]]:
 
 
 def final_state(client, flow_run_id: str, names: set[str], timeout: float) -> str:
+    """The flow run's state name once it is one of ``names`` (TimeoutError after ``timeout`` s)."""
     return wait_for(lambda: (s := client.read_flow_run(flow_run_id).state.name) in names and s, timeout,
                     f"flow run {flow_run_id} in {sorted(names)}", interval=0.5)
 
@@ -72,7 +73,10 @@ def kill_training(run_dir: Path, timeout: float) -> tuple[str, list[int]]:
     from tasks.process_group import tree_members
 
     checkpoint = wait_for(lambda: latest_checkpoint(run_dir), timeout, f"a checkpoint under {run_dir}", 0.2)
-    record = json.loads(RunDir(run_dir).process_tree.read_text())
+    tree = RunDir(run_dir).process_tree
+    if not tree.is_file():  # the train task removes it when training ends
+        raise RuntimeError(f"the run ended before it could be killed ({checkpoint.name}): raise training.max_steps")
+    record = json.loads(tree.read_text())
     pids = [p.pid for p in tree_members(record["token"])]
     for pid in pids:
         try:
@@ -92,21 +96,43 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    # a SIGTERM (a timeout's) unwinds like an error: the server, the worker and the ranks are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from prefect.client.orchestration import SyncPrefectClient
-
-    from flows.local_stack import LocalPrefect
     from specforge_core.config import load_config
-    from specforge_core.run.directory import RunDir
-    from tasks.train_stage import run_dir_for
 
-    config = load_config(args.config, args.overrides).model_dump(mode="json")
+    loaded = load_config(args.config, args.overrides)
+    t = loaded.training
+    if not (t.save_interval and t.max_steps and t.save_interval < t.max_steps):
+        ap.error("the killed run needs a checkpoint before its end: set training.max_steps and a smaller "
+                 "training.save_interval (e.g. training.max_steps=60 training.save_interval=20)")
+    config = loaded.model_dump(mode="json")
     config["output"]["dir"] = str(out / "runs")
     result: dict = {"config": args.config, "overrides": args.overrides, "deployment": DEPLOYMENT}
     t0 = time.monotonic()
+    try:
+        return run_both(args, out, config, result, t0)
+    finally:  # torchrun and its ranks run in sessions of their own: the worker's stop does not reach them
+        from tasks.process_group import stop_process_tree
+
+        for record in (out / "runs").glob("*/train.tree"):
+            try:
+                stop_process_tree(json.loads(record.read_text())["token"], grace_s=5)
+            except (OSError, ValueError, KeyError):
+                pass
+
+
+def run_both(args, out: Path, config: dict, result: dict, t0: float) -> int:
+    """The watched run and the killed-and-retried one (module doc); writes flow.json, returns the exit status."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    from flows.local_stack import LocalPrefect
+    from specforge_core.run.directory import RunDir
+    from tasks.train_stage import run_dir_for
+
     with LocalPrefect(out / "prefect-home") as stack:
-        stack.prefect("work-pool", "create", "colocated-pool", "--type", "process")
-        stack.prefect("work-pool", "create", "gpu-pool", "--type", "process")  # the GPU recipes' pool
+        stack.prefect("work-pool", "create", "colocated-pool", "--type", "process", "--overwrite")
+        stack.prefect("work-pool", "create", "gpu-pool", "--type", "process", "--overwrite")  # the GPU recipes' pool
         stack.deploy()
         stack.start_worker("colocated-pool")
         result["stack_seconds"] = round(time.monotonic() - t0, 1)
@@ -121,7 +147,7 @@ def main(argv=None) -> int:
             run = wait_for(lambda: client.read_flow_run(second), 60, "the second flow run")
             run_dir = run_dir_for(config["output"]["dir"], run.name, str(run.id))
             checkpoint, pids = kill_training(run_dir, args.run_timeout)
-            crashed = final_state(client, second, {"Crashed", "Failed", "Completed"}, 300)
+            crashed = final_state(client, second, {"Crashed", "Failed", "Completed", "Cancelled"}, 300)
             t = time.monotonic()
             stack.prefect("flow-run", "retry", second, timeout_s=60)
             retried = final_state(client, second, {"Completed", "Failed", "Crashed", "Cancelled"}, args.run_timeout)
@@ -133,8 +159,9 @@ def main(argv=None) -> int:
                 "state_after_retry": retried, "retry_seconds": round(time.monotonic() - t, 1),
                 "resume_lines": resumed[-3:], "stages": stages(client, second)}
     result["seconds"] = round(time.monotonic() - t0, 1)
-    ok = (result["watched"]["state"] == "Completed" and result["killed_and_retried"]["state_after_kill"] != "Completed"
-          and result["killed_and_retried"]["state_after_retry"] == "Completed" and bool(result["killed_and_retried"]["resume_lines"]))
+    killed = result["killed_and_retried"]
+    ok = (result["watched"]["state"] == "Completed" and killed["state_after_kill"] != "Completed"
+          and killed["state_after_retry"] == "Completed" and bool(killed["resume_lines"]))
     result["ok"] = ok
     (out / "flow.json").write_text(json.dumps(result, indent=1))
     print("RESULT " + json.dumps(result), flush=True)

@@ -8,7 +8,7 @@
 ``DATA`` holds what ``scripts/sharegpt_realcheck.py --stages data,regenerate`` made with the same
 ``--answers``, ``--prompt-turns``, ``--answer-tokens`` and prompt counts (the prompts of each split
 and the pool of the target's answers; ``--prompt-turns all`` for more than ≈ 7,000),
-made beforehand on the GPU (``--engine sglang``) or carried. Per family (``--families``; the
+made beforehand on the GPU (``--regen-engine sglang``) or carried. Per family (``--families``; the
 overrides each family trains with are :data:`FAMILIES`), one process on one device of ``--gpus``
 (``CUDA_VISIBLE_DEVICES``; ``cpu`` for a CPU), all at once:
 
@@ -69,11 +69,12 @@ def run_family(args, family: str, device: str, out: Path) -> subprocess.Popen:
         env["CUDA_VISIBLE_DEVICES"] = device
     check, bench = family_commands(args, family, out)
     script = f"{shlex.join(check)} && {shlex.join(bench)} > {shlex.quote(str(out / 'benchmarks.json'))}"
-    log = open(out.parent / f"{family}.log", "w")
-    return subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(out.parent / f"{family}.log", "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def summarize(family: str, out: Path) -> dict:
+    """One family's figures from its run's ``results.json`` and ``benchmarks.json``."""
     results = json.loads((out / "results.json").read_text())
     bench = json.loads((out / "benchmarks.json").read_text().strip().splitlines()[-1])
     per_bench = {name: b["settings"][0]["acceptance_length"] for name, b in bench["benchmarks"].items()}
@@ -86,6 +87,7 @@ def summarize(family: str, out: Path) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """τ of the in-training decodes against training minutes, one line per family."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +96,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in rows:
         ax.plot([p["minutes"] for p in r["curve"]], [p["acceptance_length"] for p in r["curve"]], marker="o",
-                label=f"{r['family']} (held-out τ {r['heldout_acceptance_length']:.3f})")
+                label=f"{r['family']} (held-out τ {r['heldout_acceptance_length'] or float('nan'):.3f})")
     ax.set_xlabel("training minutes")
     ax.set_ylabel("acceptance length, in-training decodes")
     ax.legend()
@@ -132,13 +134,16 @@ def main(argv=None) -> int:
     rows, failed = [], {f: str(out / f"{f}.log") for f, c in codes.items() if c != 0}
     for f in families:
         if f not in failed:
-            rows.append(summarize(f, out / f))
-    if rows:
-        plot(rows, out / "quality.png")
+            try:
+                rows.append(summarize(f, out / f))
+            except (OSError, KeyError, ValueError, IndexError) as e:  # the run ended but left no figures
+                failed[f] = f"{out / f}: {type(e).__name__}: {e}"
     result = {"config": args.config, "overrides": args.overrides, "answers": args.answers, "minutes": args.minutes,
               "devices": dict(zip(families, devices)), "seconds": round(time.monotonic() - t0, 1),
               "families": rows, "failed": failed}
     (out / "quality.json").write_text(json.dumps(result, indent=1))
+    if rows:
+        plot(rows, out / "quality.png")
     print("RESULT " + json.dumps(result), flush=True)
     return 1 if failed else 0
 

@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from specforge_core.decoding.report import chain_acceptance_length  # noqa: E402
-from tasks.process_group import metrics_rows  # noqa: E402
+from specforge_core.run.metrics_file import metrics_rows  # noqa: E402
 
 ACC = re.compile(r"^acc_(\d+)$")
 X_LABELS = {"step": "optimizer step", "train_seconds": "training wall time (s)"}

@@ -28,7 +28,6 @@ process was SIGKILLed (the one case no ``except`` can see).
 
 import json
 import logging
-import math
 import os
 import re
 import signal
@@ -47,7 +46,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
 from specforge_core.io import atomic_write_json
-from specforge_core.run.metrics_file import MetricsFile
+from specforge_core.run.metrics_file import metrics_rows
 
 STEP_LINE = re.compile(r"\bstep=(\d+)/(\d+)\b")
 # A progress bar's frame as tqdm draws it ("Loading weights:  40%|████      | 30/75 [00:01<…]", or
@@ -238,22 +237,6 @@ class ProgressArtifact:
         else:
             update_progress_artifact(self.artifact_id, pct, description=text)
         self.shown, self.stamp = pct, now
-
-
-def _cell(v):
-    if isinstance(v, float):
-        return float(f"{v:.5g}") if math.isfinite(v) else None
-    return v if isinstance(v, (int, str, bool)) or v is None else json.dumps(v)
-
-
-def metrics_rows(path: Path, max_rows: int = 200) -> list[dict]:
-    """The newest ``max_rows`` records of a metrics.jsonl as rows with one column set (a torn last
-    line, written while we read, is skipped)."""
-    rows = MetricsFile(path).records()[-max_rows:]
-    columns: dict[str, None] = {}
-    for row in rows:
-        columns.update(dict.fromkeys(row))
-    return [{c: _cell(row.get(c)) for c in columns} for row in rows]
 
 
 class MetricsTable:

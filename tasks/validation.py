@@ -96,7 +96,9 @@ def validate(config: RunConfig, vocab_map: StageOutput | None, trained: StageOut
                     "held-out prompts (%s)", label, result["acceptance_length"], result["prompts"], path)
         if served:
             s = result["served"]
-            logger.info("served by SGLang: acceptance length %s, %s × ours%s", s["acceptance_length"], s["ratio"],
+            figures = ("n/a" if s["acceptance_length"] is None else f"{s['acceptance_length']:.3f}",
+                       "n/a" if s["ratio"] is None else f"{s['ratio']:.3f}")
+            logger.info("served by SGLang: acceptance length %s, %s × ours%s", *figures,
                         "" if s["within_5_percent"] in (True, None) else f" (more than 5 % apart: {s['note']})")
         return result
 

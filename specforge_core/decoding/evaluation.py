@@ -142,8 +142,16 @@ def evaluate(cfg, draft_path: str | Path, *, num_steps: int | None = None, max_n
     extra = {}
     text = render_report(measured, simulated, meta, warnings)
     if served:
+        import gc
+
+        import torch
+
         from specforge_core.decoding.served import compare_served, served_acceptance, served_section
 
+        del model, draft  # SGLang sizes its pools from the GPU's free memory: give ours back first
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         figures = served_acceptance(cfg, draft_path, prompts, num_steps=num_steps, max_new_tokens=max_new_tokens,
                                     stop_ids=stops, engine_factory=engine_factory)
         extra["served"] = {**figures, **compare_served(measured["acceptance_length"], figures["acceptance_length"])}

@@ -8,7 +8,7 @@ SGLang 0.5.14 serves an EAGLE3 export (EAGLE-3.1's ``fc_norm`` and ``norm_output
 ``speculative_algorithm="EAGLE3"``, ``speculative_num_steps=k``, ``speculative_eagle_topk=1`` and
 ``speculative_num_draft_tokens=k+1`` (chain drafting, as our evaluator decodes), and a DFlash export
 with ``speculative_algorithm="DFLASH"`` and ``speculative_num_draft_tokens`` = its block size (its
-verify window); it has no DFlash2 (convolution, selector) and no DSpark. The engine is started as
+verify window: the block less one draft tokens a pass, so ours must draft as many); it has no DFlash2 (convolution, selector) and no DSpark. The engine is started as
 ``regenerate --engine sglang`` starts it (``capture.sglang``'s settings, prompts in as token ids),
 with the draft added; every prompt is decoded greedily under the same stop tokens as ours. SGLang
 counts its verify passes per request (``meta_info["spec_verify_ct"]``); the first token of each
@@ -46,9 +46,10 @@ def speculative_arguments(export_dir: str | Path, num_steps: int | None = None) 
             fix="set validation.engine: ours for DFlash2 and DSpark drafts (docs/families.md says who serves them)")
     block = int(config.get("block_size") or dflash.get("block_size"))
     k = num_steps or block - 1
-    if k > block - 1:
-        raise ConfigError(f"{k} draft tokens per verify pass; a block of {block} drafts at most {block - 1}",
-                          where="validation.num_steps", fix=f"set validation.num_steps ≤ {block - 1}")
+    if k != block - 1:  # SGLang's DFLASH drafts its whole block every verify pass
+        raise ConfigError(f"{k} draft tokens per verify pass; SGLang serves a DFlash draft with its whole block, "
+                          f"{block - 1} draft tokens", where="validation.num_steps",
+                          fix=f"leave validation.num_steps unset, or set it to {block - 1}")
     return dict(speculative_algorithm="DFLASH", speculative_num_draft_tokens=block), k
 
 

@@ -43,17 +43,18 @@ class CheckedInputs:
     layer_ids: tuple[int, ...] = ()  # the target layers the draft reads
 
 
-def check_sglang_node() -> None:
-    """The in-process SGLang engine can run on this node: a GPU and the pinned SGLang."""
+def check_sglang_node(where: str = "capture.backend", instead: str = "set capture.backend=hf") -> None:
+    """The in-process SGLang engine can run on this node: a GPU and the pinned SGLang (``where``: the
+    field that asks for it; ``instead``: the way around it)."""
     from specforge_core.capture.sglang_engine import require_sglang
     from specforge_core.errors import ConfigError
 
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError("capture.backend=sglang needs a CUDA GPU and none is visible", where="capture.backend",
-                          fix="run on a GPU node, or set capture.backend=hf")
-    require_sglang()
+        raise ConfigError(f"{where}=sglang needs a CUDA GPU and none is visible", where=where,
+                          fix=f"run on a GPU node, or {instead}")
+    require_sglang(where=f"{where}=sglang", instead=instead)
 
 
 def check_tokenizer_fits(cfg, tokenizer, V: int) -> None:
@@ -125,6 +126,8 @@ def check_run_inputs(cfg) -> CheckedInputs:
     check_tokenizer_fits(cfg, inputs.tokenizer, inputs.vocab_size)
     if cfg.capture.backend == "sglang":
         check_sglang_node()
+    if cfg.validation.enabled and cfg.validation.engine == "sglang":  # before training, not after it
+        check_sglang_node("validation.engine", "set validation.engine: ours")
     # the draft config the run will train (given, or generated from the target: its checks run here)
     inputs.draft_config = inputs.family.draft_config(cfg, inputs.target_config, inputs.layer_ids,
                                                      tokenizer=inputs.tokenizer)

@@ -13,6 +13,7 @@ all go through it. A record always has ``step`` and ``total_steps``; the rest is
 """
 
 import json
+import math
 from pathlib import Path
 
 from specforge_core.io import atomic_write_text
@@ -59,3 +60,20 @@ class MetricsFile:
 
     def size(self) -> int:
         return self.path.stat().st_size if self.path.is_file() else 0
+
+
+def _cell(v):
+    if isinstance(v, float):
+        return float(f"{v:.5g}") if math.isfinite(v) else None
+    return v if isinstance(v, (int, str, bool)) or v is None else json.dumps(v)
+
+
+def metrics_rows(path: Path, max_rows: int = 200) -> list[dict]:
+    """The newest ``max_rows`` records of a metrics.jsonl as rows with one column set, values
+    rounded to 5 significant digits and non-finite ones None (a torn last line, written while
+    we read, is skipped): what the UI's table and the curves read."""
+    rows = MetricsFile(path).records()[-max_rows:]
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    return [{c: _cell(row.get(c)) for c in columns} for row in rows]

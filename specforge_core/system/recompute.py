@@ -23,7 +23,9 @@ def recompute_regions(root: nn.Module) -> int:
     count = 0
     for module in root.modules():
         for name in getattr(type(module), "recomputed_regions", ()):
-            setattr(module, name, _recomputed(getattr(module, name)))
+            method = getattr(module, name)
+            if not getattr(method, "recomputed", False):  # wrapped once, however often asked
+                setattr(module, name, _recomputed(method))
             count += 1
     return count
 
@@ -31,7 +33,8 @@ def recompute_regions(root: nn.Module) -> int:
 def _recomputed(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        # the regions draw no random numbers (the contract above): no RNG state to stash and restore
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
     run.recomputed = True
     return run

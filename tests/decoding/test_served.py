@@ -85,9 +85,21 @@ def test_a_dflash_export_is_served_as_dflash_with_its_block_as_the_verify_window
     draft = _dflash_export(tmp_path, tiny_target_dir)
     assert speculative_arguments(draft) == (
         {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": BLOCK}, BLOCK - 1)
-    assert speculative_arguments(draft, 2)[1] == 2
-    with pytest.raises(ConfigError, match="at most 3"):
-        speculative_arguments(draft, BLOCK)
+    for k in (2, BLOCK):  # SGLang drafts the whole block: ours must too, or the two measure different decodes
+        with pytest.raises(ConfigError, match="whole block") as err:
+            speculative_arguments(draft, k)
+        assert err.value.where == "validation.num_steps"
+
+
+def test_a_dflash_run_asking_sglang_for_fewer_draft_tokens_than_its_block_is_refused_before_training():
+    from specforge_core.drafts import check_config
+
+    base = {"draft": {"family": "dflash", "dflash": {"block_size": 8}}, "validation": {"engine": "sglang"}}
+    check_config(config_from_dict(base))
+    check_config(config_from_dict({**base, "validation": {"engine": "sglang", "num_steps": 7}}))
+    with pytest.raises(ConfigError) as err:
+        check_config(config_from_dict({**base, "validation": {"engine": "sglang", "num_steps": 3}}))
+    assert err.value.where == "validation.num_steps"
 
 
 def test_a_dflash2_export_is_refused_naming_what_sglang_serves(tmp_path, tiny_target_dir):

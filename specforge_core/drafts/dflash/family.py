@@ -100,6 +100,12 @@ class DFlashFamily:
                 f"validation.engine=sglang: SGLang 0.5.14 cannot serve a {kind} draft (no such speculative "
                 "algorithm, no convolution or selector in its DFlash model)",
                 where="validation.engine", fix="set validation.engine: ours (docs/families.md says who serves it)")
+        if cfg.validation.engine == "sglang" and cfg.validation.num_steps not in (None, cfg.draft.dflash.block_size - 1):
+            block = cfg.draft.dflash.block_size
+            raise ConfigError(
+                f"validation.num_steps={cfg.validation.num_steps}: SGLang serves a DFlash draft with its whole block, "
+                f"{block - 1} draft tokens a verify pass, and the two figures must decode alike",
+                where="validation.num_steps", fix=f"leave validation.num_steps unset, or set it to {block - 1}")
         if cfg.training.activation_checkpointing:
             raise ConfigError(
                 "training.activation_checkpointing recomputes EAGLE3's unrolled steps; a DFlash-family draft's "
