@@ -119,19 +119,31 @@ def test_the_documented_cpu_smoke_run_of_the_gpu_bench_trains_a_tiny_draft(tmp_p
     assert results["draft_eager_1x256_teacher_given_tokens_per_s"] > 0  # the same step handed its teacher
 
 
-@pytest.mark.parametrize("family, options", [("eagle3", ()), ("eagle3", ("--activation-checkpointing",)),
-                                             ("dflash", ()), ("dspark", ())])
-def test_the_long_context_curve_runs_each_point_in_its_own_process_with_the_same_tokens(tmp_path, family, options):
+def long_context_curve(tmp_path, *options: str) -> dict:
+    """The curve of the tiny shape on the CPU at 256 tokens (packed: two samples of 128), no peer."""
     cmd = [sys.executable, str(BENCH / "gpu_long_context.py"), "--shape", "tiny", "--device", "cpu", "--lengths", "256",
-           "--packed-sample", "128", "--steps", "1", "--warmup", "1", "--no-peer", "--families", family,
-           *options, "--out", str(tmp_path)]
+           "--packed-sample", "128", "--steps", "1", "--warmup", "1", "--no-peer", *options, "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    curve = json.loads((tmp_path / "long_context.json").read_text())
-    assert curve["activation_checkpointing"] == bool(options) and curve["variant"] == "eager"
+    return json.loads((tmp_path / "long_context.json").read_text())
+
+
+def test_the_long_context_curve_runs_each_point_in_its_own_process_with_the_same_tokens(tmp_path):
+    curve = long_context_curve(tmp_path)
+    assert curve["activation_checkpointing"] is False and curve["variant"] == "eager"
     points = curve["points"]
-    assert [(p["family"], p["mode"], p["length"]) for p in points] == [(family, "single", 256), (family, "packed", 256)]
+    assert [(p["family"], p["mode"], p["length"]) for p in points] == [("eagle3", "single", 256), ("eagle3", "packed", 256)]
     single, packed = points
     assert single["tokens_per_step"] == packed["tokens_per_step"] == 256  # one sample of 256, two of 128
     per_token = [p["samples_per_s"] / p["tokens_per_s"] for p in points]
     assert per_token[1] == pytest.approx(2 * per_token[0])
+
+
+@pytest.mark.parametrize("options", [("--families", "dflash,dspark"), ("--activation-checkpointing",)],
+                         ids=["block-families", "eagle3-checkpointed"])
+def test_the_curve_runs_every_family_and_the_checkpointed_step(tmp_path, options):
+    curve = long_context_curve(tmp_path, "--modes", "single", *options)
+    families = ["dflash", "dspark"] if "--families" in options else ["eagle3"]
+    assert curve["activation_checkpointing"] == ("--activation-checkpointing" in options)
+    assert [(p["family"], p["mode"]) for p in curve["points"]] == [(f, "single") for f in families]
+    assert all(p["tokens_per_step"] == 256 and p["tokens_per_s"] > 0 for p in curve["points"])
