@@ -9,7 +9,7 @@
 ``--answers``, ``--prompt-turns``, ``--answer-tokens`` and prompt counts (the prompts of each split
 and the pool of the target's answers; ``--prompt-turns all`` for more than ≈ 7,000),
 made beforehand on the GPU (``--regen-engine sglang``) or carried. Per family (``--families``; the
-overrides each family trains with are :data:`FAMILIES`), one process on one device of ``--gpus``
+setting each family trains with is the real check's ``--family``), one process on one device of ``--gpus``
 (``CUDA_VISIBLE_DEVICES``; ``cpu`` for a CPU), all at once:
 
 1. ``scripts/sharegpt_realcheck.py --stages train,evaluate,report`` with ``training.time_budget``
@@ -34,16 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-BLOCK = ["draft.dflash.block_size=8", "draft.dflash.num_layers=1", "draft.dflash.num_anchors=64",
-         "draft.dflash.loss_decay_gamma=4"]
-FAMILIES = {  # each family at the setting the ShareGPT real check trains it with (docs/families.md)
-    "eagle3": [],
-    "eagle31": ["draft.fc_norm=true", "draft.norm_output=true"],
-    "dflash": ["draft.family=dflash", *BLOCK],
-    "dflash2": ["draft.family=dflash", *BLOCK, "draft.dflash.dflash2=true"],
-    "dspark": ["draft.family=dspark", "draft.dspark.block_size=8", "draft.dspark.num_layers=1",
-               "draft.dspark.num_anchors=64"],
-}
+FAMILIES = ("eagle3", "eagle31", "dflash", "dflash2", "dspark")  # the real check's --family settings
 
 
 def family_commands(args, family: str, out: Path) -> list[list[str]]:
@@ -53,7 +44,7 @@ def family_commands(args, family: str, out: Path) -> list[list[str]]:
              "--answer-tokens", str(args.answer_tokens), "--validation-prompts", str(args.validation_prompts),
              "--heldout-prompts", str(args.heldout_prompts), "--eval-splits", "heldout",
              "--eval-new-tokens", str(args.new_tokens), "--stages", "train,evaluate,report",
-             f"output.dir={out}", f"training.time_budget={args.minutes * 60:g}s", *FAMILIES[family], *args.overrides]
+             "--family", family, f"output.dir={out}", f"training.time_budget={args.minutes * 60:g}s", *args.overrides]
     bench = [sys.executable, "-m", "specforge_core.evaluate", "--config", str(out / "realcheck.yaml"),
              "--draft", str(out), "--benchmarks", args.benchmarks, "--limit", str(args.benchmark_limit),
              "--max-new-tokens", str(args.new_tokens), "--settings", "3,1,4", "--report",

@@ -22,14 +22,6 @@ MINUTES=${MINUTES:-6}
 ANSWERS=${ANSWERS:-120}
 FAMILIES=${FAMILIES:-eagle3 eagle31 dflash dflash2 dspark}
 OUT=runs/families-${ANSWERS}a-${MINUTES}m
-BLOCK="draft.dflash.block_size=8 draft.dflash.num_layers=1 draft.dflash.num_anchors=64 draft.dflash.loss_decay_gamma=4"
-declare -A FAMILY=(
-  [eagle3]=""
-  [eagle31]="draft.fc_norm=true draft.norm_output=true"
-  [dflash]="draft.family=dflash $BLOCK"
-  [dflash2]="draft.family=dflash $BLOCK draft.dflash.dflash2=true"
-  [dspark]="draft.family=dspark draft.dspark.block_size=8 draft.dspark.num_layers=1 draft.dspark.num_anchors=64"
-)
 export OMP_NUM_THREADS=2 PYTHONPATH=.
 CHECK=(.venv/bin/python scripts/sharegpt_realcheck.py --config examples/sharegpt-realcheck.yaml --answers "$ANSWERS"
        --heldout-prompts 32 --validation-prompts 8 --eval-new-tokens 64 --eval-splits heldout)
@@ -46,8 +38,8 @@ if [ "${STAGE:-train}" = benchmarks ]; then
 fi
 "${CHECK[@]}" --stages data,regenerate
 for family in $FAMILIES; do
-  # shellcheck disable=SC2086  # the overrides are words
-  "${CHECK[@]}" "output.dir=$OUT/$family" "training.time_budget=${MINUTES}m" training.heldout.interval=100000 \
-      training.heldout.num_prompts=2 training.heldout.max_new_tokens=16 ${FAMILY[$family]} > "$OUT/$family.log" 2>&1
+  "${CHECK[@]}" --family "$family" "output.dir=$OUT/$family" "training.time_budget=${MINUTES}m" \
+      training.heldout.interval=100000 training.heldout.num_prompts=2 training.heldout.max_new_tokens=16 \
+      > "$OUT/$family.log" 2>&1
   echo "$family: $(grep -o '"acceptance_length": [0-9.]*' "$OUT/$family/eval-heldout.json" | head -1)"
 done

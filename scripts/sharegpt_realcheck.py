@@ -25,7 +25,8 @@ Stages, in order; each can be run again after an interruption and goes on where 
 2. ``regenerate``: the target answers the train prompts greedily (``decoding.answering.regenerate``,
    ``--answer-tokens`` new tokens at most; ``--regen-engine sglang`` on a GPU) into a pool shared by every run with the same target
    and answer length (resumable by id); the run's train file is the pool's answers to its prompts.
-3. ``train``: ``python -m specforge_core.train`` on the resolved config, ``<output.dir>/realcheck.yaml``
+3. ``train``: ``python -m specforge_core.train`` on the resolved config (``--family NAME``: that draft
+   family at this check's setting for it, :data:`FAMILIES`), ``<output.dir>/realcheck.yaml``
    (the base config, the overrides, the data files; every by-hand command takes it): use
    ``training.time_budget`` and ``training.heldout`` there (the in-training decodes read the
    validation prompts, the eval split of that config). A finished run resumes to nothing.
@@ -63,6 +64,16 @@ NUM_STEPS = 3
 PLACEHOLDER = "(placeholder: the evaluator decodes the prompt with the target; nothing reads this)"
 _PART = re.compile(r"_(\d+)$")
 ROOT = Path(__file__).resolve().parents[1]
+_BLOCK = ["draft.dflash.block_size=8", "draft.dflash.num_layers=1", "draft.dflash.num_anchors=64",
+          "draft.dflash.loss_decay_gamma=4"]
+FAMILIES = {  # --family: each draft family at the setting this check trains it with (docs/families.md)
+    "eagle3": [],
+    "eagle31": ["draft.fc_norm=true", "draft.norm_output=true"],
+    "dflash": ["draft.family=dflash", *_BLOCK],
+    "dflash2": ["draft.family=dflash", *_BLOCK, "draft.dflash.dflash2=true"],
+    "dspark": ["draft.family=dspark", "draft.dspark.block_size=8", "draft.dspark.num_layers=1",
+               "draft.dspark.num_anchors=64"],
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,7 +456,11 @@ def parse_args(argv=None):
     ap.add_argument("--eval-splits", default="heldout,validation",
                     help="what the evaluate stage decodes: validation alone while choosing a recipe")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
+    ap.add_argument("--family", choices=sorted(FAMILIES),
+                    help="train this draft family at its setting here (its overrides go before the given ones)")
     args = ap.parse_args(argv)
+    if args.family:
+        args.overrides = [*FAMILIES[args.family], *args.overrides]
     args.eval_splits = args.eval_splits.split(",")
     if not args.eval_splits or set(args.eval_splits) - {"heldout", "validation"}:
         ap.error("--eval-splits takes heldout, validation or both (comma-separated)")

@@ -8,8 +8,9 @@ SGLang 0.5.14 serves an EAGLE3 export (EAGLE-3.1's ``fc_norm`` and ``norm_output
 ``speculative_algorithm="EAGLE3"``, ``speculative_num_steps=k``, ``speculative_eagle_topk=1`` and
 ``speculative_num_draft_tokens=k+1`` (chain drafting, as our evaluator decodes), and a DFlash export
 with ``speculative_algorithm="DFLASH"`` and ``speculative_num_draft_tokens`` = its block size (its
-verify window: the block less one draft tokens a pass, so ours must draft as many); it has no DFlash2 (convolution, selector) and no DSpark. The engine is started as
-``regenerate --engine sglang`` starts it (``capture.sglang``'s settings, prompts in as token ids),
+verify window: the block less one draft tokens a pass, so ours must draft as many); it has no
+DFlash2 (convolution, selector) and no DSpark. The engine is started as ``regenerate --engine
+sglang`` starts it (``capture.sglang``'s settings, prompts in as token ids),
 with the draft added; every prompt is decoded greedily under the same stop tokens as ours. SGLang
 counts its verify passes per request (``meta_info["spec_verify_ct"]``); the first token of each
 answer comes from the prefill, so τ = (completion tokens − requests) / verify passes, the count our

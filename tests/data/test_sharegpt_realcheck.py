@@ -204,6 +204,14 @@ def test_the_gpu_minute_bench_runs_the_chain_per_family_and_gathers_the_figures(
     assert row["curve"] and (tmp_path / "out" / "quality.png").is_file() and not result["failed"]
 
 
+def test_a_family_flag_puts_that_familys_settings_before_the_given_overrides():
+    from scripts.sharegpt_realcheck import FAMILIES
+
+    args = parse_args(["--config", "c.yaml", "--family", "dspark", "training.time_budget=8m"])
+    assert args.overrides == [*FAMILIES["dspark"], "training.time_budget=8m"]
+    assert "draft.family=dspark" in args.overrides and parse_args(["--config", "c.yaml"]).overrides == []
+
+
 @pytest.mark.parametrize("flag,value,says", [("--stages", "data,tune", "unknown stage(s) tune"),
                                              ("--eval-splits", "test", "--eval-splits takes"),
                                              ("--answers", "0", "--answers must be at least 1")])
