@@ -2,12 +2,13 @@
 
     python bench/gpu_long_context.py --out DIR                                   # EAGLE3, 4k..64k, one GPU
     python bench/gpu_long_context.py --families eagle3,dflash --lengths 4096,32768 --no-peer --out DIR
-    python bench/gpu_long_context.py --lengths 16384,32768,65536 --activation-checkpointing --no-peer --out DIR
-    python bench/gpu_long_context.py --variant compiled --activation-checkpointing --out DIR   # the 32k recipe's step
+    python bench/gpu_long_context.py --setting eager --setting compiled+ckpt:single --out DIR   # + the 32k recipe's step
     python bench/gpu_long_context.py --shape tiny --device cpu --lengths 256,512 --steps 1 --no-peer  # smoke test
 
 Needs torch + transformers (the peer: the ``specforge==0.2.0`` wheel, ``--no-deps``). Per family
-(``--families``) and length L (``--lengths``), two points of the product's loop at ``--shape``
+(``--families``), setting (``--setting``, repeatable: ``eager`` or ``compiled`` draft step, ``+ckpt`` for
+``training.activation_checkpointing``, ``:single/packed`` for its modes; a ``+ckpt`` setting skips the
+families without the switch) and length L (``--lengths``), points of the product's loop at ``--shape``
 with random weights (``bench/gpu_train.py --phases train``: capture, objective, backward, AdamW):
 
 - ``single``: one sample of L tokens per step;
@@ -38,30 +39,45 @@ HERE = Path(__file__).resolve().parent
 OOM = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 
 
-def gpu_train_command(args, family: str, length: int, mode: str, out: Path) -> list[str]:
+CHECKPOINTED_FAMILIES = ("eagle3",)  # DFlash-family configs refuse training.activation_checkpointing
+
+
+def parse_setting(text: str, default_modes: str) -> dict:
+    """``VARIANT[+ckpt][:MODE/MODE]`` -> ``{"name", "variant", "ckpt", "modes"}``."""
+    name, _, modes = text.partition(":")
+    variant, _, extra = name.partition("+")
+    if variant not in ("eager", "compiled") or extra not in ("", "ckpt"):
+        raise SystemExit(f"--setting {text!r}: expected eager or compiled, optionally +ckpt and :single/packed")
+    modes = modes.split("/") if modes else default_modes.split(",")
+    if set(modes) - {"single", "packed"}:
+        raise SystemExit(f"--setting {text!r}: the modes are single and packed")
+    return {"name": name, "variant": variant, "ckpt": extra == "ckpt", "modes": modes}
+
+
+def gpu_train_command(args, setting: dict, family: str, length: int, mode: str, out: Path) -> list[str]:
     packed = mode == "packed"
     sample = args.packed_sample if packed else length
     batch = max(1, length // args.packed_sample) if packed else 1
     steps = args.warmup + args.steps + 1  # + the step that splits the memory by phase
     return [sys.executable, str(HERE / "gpu_train.py"), "--shape", args.shape, "--device", args.device,
-            "--family", family, "--phases", "train", "--draft-variants", args.variant, "--steps", str(args.steps),
+            "--family", family, "--phases", "train", "--draft-variants", setting["variant"], "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--sample-length", str(sample), "--batch-size", str(batch),
             "--token-budget", str(sample * batch), "--samples", str(steps * batch), "--out", str(out),
-            *(["--activation-checkpointing"] if args.activation_checkpointing else [])]
+            *(["--activation-checkpointing"] if setting["ckpt"] else [])]
 
 
-def run_point(args, family: str, length: int, mode: str) -> dict:
+def run_point(args, setting: dict, family: str, length: int, mode: str) -> dict:
     """One point of the curve in its own process: its figures, or ``{"oom": True}``, or an error."""
     with tempfile.TemporaryDirectory(prefix=f"long-{family}-{length}-{mode}-") as tmp:
         t = time.perf_counter()
         try:
-            done = subprocess.run(gpu_train_command(args, family, length, mode, Path(tmp)), capture_output=True,
+            done = subprocess.run(gpu_train_command(args, setting, family, length, mode, Path(tmp)), capture_output=True,
                                   text=True, timeout=args.point_timeout)
         except subprocess.TimeoutExpired:
             return {"error": f"no result within --point-timeout {args.point_timeout} s"}
         results = Path(tmp) / "results.json"
         found = json.loads(results.read_text()) if results.is_file() else {}
-    key = f"train_{args.variant}_"
+    key = f"train_{setting['variant']}_"
     error = found.get(f"{key}error", "") or (done.stderr[-2000:] if done.returncode else "")
     if any(sign in error for sign in OOM):
         return {"oom": True}
@@ -73,6 +89,7 @@ def run_point(args, family: str, length: int, mode: str) -> dict:
                            for name, value in found.items() if name.startswith(f"{key}memory_")}
     point["process_s"] = round(time.perf_counter() - t, 1)
     point["device"] = found.get("device")
+    point["max_position_embeddings"] = found.get("max_position_embeddings")
     return point
 
 
@@ -81,9 +98,9 @@ def run_peer(args, length: int) -> dict:
     cmd = [sys.executable, str(HERE / "gpu_peer_standalone.py"), "--shape", args.shape, "--shapes", f"1x{length}",
            "--family", "eagle3", "--iters", str(args.steps), "--warmup", str(args.warmup)]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"no result within --point-timeout {args.point_timeout} s"}
+        return {"error": f"no result within --peer-timeout {args.peer_timeout} s"}
     found = [json.loads(x[7:]) for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if not found:
         tail = (done.stdout + done.stderr)[-2000:]
@@ -104,16 +121,17 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--point-timeout", type=float, default=600)
-    ap.add_argument("--variant", choices=["eager", "compiled"], default="eager",
-                    help="the draft step as built without or with training.compile")
-    ap.add_argument("--activation-checkpointing", action="store_true",
-                    help="training.activation_checkpointing (EAGLE3): the MLP block of each unrolled step recomputed")
+    ap.add_argument("--peer-timeout", type=float, default=300, help="seconds for one of the peer's points")
+    ap.add_argument("--setting", action="append", default=None,
+                    help="VARIANT[+ckpt][:MODE/MODE], repeatable (default: eager with --modes): the draft step "
+                         "without or with training.compile, +ckpt for training.activation_checkpointing")
     ap.add_argument("--no-peer", action="store_true", help="leave SpecForge's step out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
-    curve: dict = {"shape": args.shape, "date": time.strftime("%Y-%m-%d"), "lengths": lengths, "variant": args.variant,
-                   "activation_checkpointing": args.activation_checkpointing, "points": []}
+    settings = [parse_setting(text, args.modes) for text in (args.setting or ["eager"])]
+    curve: dict = {"shape": args.shape, "date": time.strftime("%Y-%m-%d"), "lengths": lengths,
+                   "settings": [s["name"] for s in settings], "points": []}
 
     def record(point: dict) -> None:
         curve["points"].append(point)
@@ -122,17 +140,22 @@ def main(argv=None) -> int:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "long_context.json").write_text(json.dumps(curve, indent=1))
 
-    for family in args.families.split(","):
-        for mode in args.modes.split(","):
-            for length in lengths:
-                point = run_point(args, family, length, mode)
-                record({"side": "ours", "family": family, "mode": mode, "length": length, **point})
-                if point.get("oom"):
-                    break
+    for setting in settings:
+        for family in args.families.split(","):
+            if setting["ckpt"] and family not in CHECKPOINTED_FAMILIES:
+                continue
+            for mode in setting["modes"]:
+                for length in lengths:
+                    point = run_point(args, setting, family, length, mode)
+                    record({"side": "ours", "setting": setting["name"], "family": family, "mode": mode,
+                            "length": length, **point})
+                    if point.get("oom"):
+                        break
     if not args.no_peer:
         for length in lengths:
             point = run_peer(args, length)
-            record({"side": "specforge-0.2.0", "family": "eagle3", "mode": "single", "length": length, **point})
+            record({"side": "specforge-0.2.0", "setting": "its best", "family": "eagle3", "mode": "single",
+                    "length": length, **point})
             if point.get("oom"):
                 break
     return 0 if all("error" not in p for p in curve["points"]) else 1

@@ -130,7 +130,7 @@ def long_context_curve(tmp_path, *options: str) -> dict:
 
 def test_the_long_context_curve_runs_each_point_in_its_own_process_with_the_same_tokens(tmp_path):
     curve = long_context_curve(tmp_path)
-    assert curve["activation_checkpointing"] is False and curve["variant"] == "eager"
+    assert curve["settings"] == ["eager"]
     points = curve["points"]
     assert [(p["family"], p["mode"], p["length"]) for p in points] == [("eagle3", "single", 256), ("eagle3", "packed", 256)]
     single, packed = points
@@ -139,11 +139,14 @@ def test_the_long_context_curve_runs_each_point_in_its_own_process_with_the_same
     assert per_token[1] == pytest.approx(2 * per_token[0])
 
 
-@pytest.mark.parametrize("options", [("--families", "dflash,dspark"), ("--activation-checkpointing",)],
+@pytest.mark.parametrize("options", [("--families", "dflash,dspark"),
+                                     ("--families", "eagle3,dflash", "--setting", "eager+ckpt:single")],
                          ids=["block-families", "eagle3-checkpointed"])
 def test_the_curve_runs_every_family_and_the_checkpointed_step(tmp_path, options):
     curve = long_context_curve(tmp_path, "--modes", "single", *options)
-    families = ["dflash", "dspark"] if "--families" in options else ["eagle3"]
-    assert curve["activation_checkpointing"] == ("--activation-checkpointing" in options)
-    assert [(p["family"], p["mode"]) for p in curve["points"]] == [(f, "single") for f in families]
+    checkpointed = "--setting" in options
+    families = ["eagle3"] if checkpointed else ["dflash", "dspark"]  # DFlash has no checkpointed step: skipped
+    assert curve["settings"] == (["eager+ckpt"] if checkpointed else ["eager"])
+    assert [(p["setting"], p["family"], p["mode"]) for p in curve["points"]] == [
+        (curve["settings"][0], f, "single") for f in families]
     assert all(p["tokens_per_step"] == 256 and p["tokens_per_s"] > 0 for p in curve["points"])
