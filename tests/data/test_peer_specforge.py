@@ -1,23 +1,30 @@
-"""The peer: bench/peer_specforge.py, SpecForge 0.2.0's EAGLE3 trainer on the real check's answers.
+"""The peer: bench/peer_specforge.py (SpecForge 0.2.0's EAGLE3 trainer on the real check's answers)
+and its row in bench/gpu_quality.py.
 
 The tests that run SpecForge import it from an installed ``specforge==0.2.0`` or from the wheel
 ``make install`` fetches into ``.cache/wheels`` (``fixtures/wheels.py``), and skips without either.
 On the CPU the peer's Triton loss runs under Triton's interpreter (TRITON_INTERPRET=1: tests/conftest.py
-sets it for this process).
+sets it for this process, bench/gpu_quality.py for the peer's row on a CPU).
 """
 
 import importlib.metadata
+import json
+import os
+import subprocess
 import sys
 from collections import Counter
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from scripts.sharegpt_realcheck import ROOT, main as realcheck
 from specforge_core.config import config_from_dict
 from specforge_core.errors import ConfigError
 from tests.bench_scripts import load_bench
 from tests.data.test_sharegpt_realcheck import tiny_base
 
+quality = load_bench("gpu_quality")
 peer = load_bench("peer_specforge")
 NO_SPECFORGE = ("specforge==0.2.0 is neither installed nor in .cache/wheels: run make install "
                 "(python -m fixtures.wheels fetches the wheel)")
@@ -42,12 +49,42 @@ def specforge_on_path() -> str | None:
 SPECFORGE_PATH = specforge_on_path()
 
 
+def row(tau, samples_per_second, **benchmarks):
+    return {"heldout_acceptance_length": tau, "samples_per_second": samples_per_second, "benchmarks": benchmarks}
+
+
+def test_ours_over_peer_divides_our_eagle3_row_by_the_peers_and_checks_both_targets():
+    ratios = quality.ours_over_peer(row(2.4, 30.0, **{"mt-bench": 2.2}), row(2.0, 20.0, **{"mt-bench": 2.0}))
+    assert ratios["heldout_acceptance_length"] == 1.2 and ratios["samples_per_second"] == 1.5
+    assert ratios["benchmarks"] == {"mt-bench": 1.1} and ratios["meets_targets"] is True
+    # τ at parity passes (≥ 1.0); samples/s 1.19x misses the 1.2 target
+    assert quality.ours_over_peer(row(2.0, 23.8), row(2.0, 20.0))["meets_targets"] is False
+    assert quality.ours_over_peer(row(2.0, 24.0), row(2.0, 20.0))["meets_targets"] is True
+
+
+def test_ours_over_peer_leaves_a_ratio_open_where_the_peer_has_no_figure():
+    ratios = quality.ours_over_peer(row(2.0, 24.0, **{"mt-bench": 2.0}), row(None, 20.0))
+    assert ratios["heldout_acceptance_length"] is None and ratios["benchmarks"] == {"mt-bench": None}
+    assert ratios["meets_targets"] is None
+
+
 def test_the_probed_horizon_fills_the_budget_with_whole_steps():
     assert peer.horizon_steps(60.0, 0.5) == 120
     assert peer.horizon_steps(60.0, 0.7) == 86  # rounded up: the budget, not the horizon, ends the run
     assert peer.horizon_steps(1.0, 10.0) == 1
     with pytest.raises(ValueError, match="positive"):
         peer.horizon_steps(60.0, 0.0)
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--families", "eagle3", "--peer", "specforge", "--gpus", "cpu"], "1 devices for 1 families and the peer"),
+    (["--families", "dflash", "--peer", "specforge", "--gpus", "cpu,cpu"], "add eagle3 to --families"),
+])
+def test_gpu_quality_refuses_a_peer_without_its_device_or_an_eagle3_row(flags, says, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        quality.main(["--config", "c.yaml", "--data", "d", "--answers", "4", *flags, "--out", str(tmp_path)])
+    assert says in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any row started
 
 
 @pytest.mark.parametrize("overrides,where", [
@@ -143,3 +180,47 @@ def test_the_probe_steps_change_no_weight(specforge, tiny_target_dir, tiny_token
     trainer = peer.build_trainer(draft, model, peer.optimizer_factory(cfg, lr=1e-2, total_steps=10), cfg)
     trainer.train_step(batch)
     assert not torch.equal(draft.state_dict()["fc.weight"], before["fc.weight"])
+
+
+@pytest.mark.slow
+def test_the_peer_row_trains_specforge_and_our_evaluator_decodes_its_export(tiny_target_dir, tmp_path):
+    """gpu_quality.py --peer specforge on the CPU: our EAGLE3 row and the peer's, the same answers."""
+    path = SPECFORGE_PATH
+    if path is None:
+        pytest.skip(NO_SPECFORGE)
+    base = tiny_base(tmp_path, tiny_target_dir, "prep", heldout={"interval": 5, "num_prompts": 2, "max_new_tokens": 8})
+    data = ["--config", str(base), "--data", str(tmp_path / "data"), *COUNTS]
+    assert realcheck([*data, "--stages", "data,regenerate"]) == 0
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_quality.py"), *data, "--new-tokens", "8", "--minutes", "0.05",
+           "--families", "eagle3", "--peer", "specforge", "--gpus", "cpu,cpu", "--benchmarks", "mt-bench",
+           "--benchmark-limit", "1", "--out", str(tmp_path / "out")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), path]))}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    out = tmp_path / "out"
+    assert done.returncode == 0, done.stdout[-2000:] + (out / "peer.log").read_text()[-3000:]
+    result = json.loads((out / "quality.json").read_text())
+    [ours], theirs = result["families"], result["peer"]
+    trainer = theirs["trainer"]
+    assert theirs["samples"] == trainer["samples"] > 0 and trainer["steps"] >= 1 and trainer["tokens_per_second"] > 0
+    assert theirs["samples_per_second"] == pytest.approx(trainer["samples"] / trainer["train_seconds"])
+    assert trainer["attention_backend"] == "sdpa" and trainer["peer"] == "specforge==0.2.0"
+    assert theirs["heldout_acceptance_length"] >= 1.0 and theirs["benchmarks"]["mt-bench"] >= 1.0
+    ratios = result["ours_over_peer"]
+    tau_ratio = ours["heldout_acceptance_length"] / theirs["heldout_acceptance_length"]
+    assert ratios["heldout_acceptance_length"] == round(tau_ratio, 3)
+    assert ratios["samples_per_second"] == round(ours["samples_per_second"] / theirs["samples_per_second"], 3)
+    assert (out / "quality.png").is_file()
+    # the held-out figure is our evaluator's decode of SpecForge's export, which our loader reads
+    # as SpecForge wrote it: the weights of its checkpoint, in the export's bf16
+    results = json.loads((out / "peer" / "results.json").read_text())
+    assert f"--draft {out / 'peer' / 'draft'} " in results["heldout"]["command"]
+    from specforge_core.drafts import load_draft
+
+    family, draft = load_draft(out / "peer" / "draft")
+    assert family.name == "eagle3"
+    trained = torch.load(out / "peer" / "checkpoints" / "peer-latest" / "training_state.pt", weights_only=False)
+    exported = load_file(out / "peer" / "draft" / "model.safetensors")
+    assert set(exported) == set(trained["draft_state_dict"])
+    for key, value in trained["draft_state_dict"].items():
+        expected = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert torch.equal(draft.state_dict()[key], expected), key
