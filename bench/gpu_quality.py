@@ -2,6 +2,9 @@
 
     python bench/gpu_quality.py --config examples/sharegpt-realcheck-gpu.yaml --data .cache/sharegpt \
         --answers 20000 --prompt-turns all --minutes 8 --gpus 0,1,2,3,4 --out DIR     # one GPU per family
+    PYTHONPATH=/tmp/site python bench/gpu_quality.py --config examples/sharegpt-realcheck-gpu.yaml \
+        --data .cache/sharegpt --answers 20000 --prompt-turns all --minutes 8 --gpus 0,1,2,3,4,5 \
+        --peer specforge --out DIR                                  # and the peer, SpecForge 0.2.0, on GPU 5
     python bench/gpu_quality.py --config examples/sharegpt-realcheck.yaml --data .cache/sharegpt-smoke \
         --answers 8 --minutes 0.5 --gpus cpu,cpu --families eagle3,dflash --benchmark-limit 2 --out DIR   # CPU smoke
 
@@ -18,9 +21,20 @@ setting each family trains with is the real check's ``--family``), one process o
 2. ``python -m specforge_core.evaluate --benchmarks mt-bench,humaneval`` on the trained draft
    (``--benchmark-limit`` prompts each, k = 3).
 
-Then ``DIR/quality.json`` (per family: samples trained, τ held-out and per benchmark, the curve,
-the run's directory) and ``DIR/quality.png`` (τ against training minutes, one line per family), and
-a ``RESULT {json}`` line; exit status 1 when a family's run failed (its log is named).
+``--peer specforge`` adds one row on the last device of ``--gpus``: ``bench/peer_specforge.py``
+trains SpecForge 0.2.0's EAGLE3 draft with its own training loop on the same answers for the same
+``--minutes`` (the ``specforge`` wheel must be importable: install it with ``pip install --no-deps
+--target /tmp/site specforge-0.2.0-py3-none-any.whl`` and put ``/tmp/site`` on ``PYTHONPATH``,
+which every row inherits after the project), then our evaluator decodes its exported draft on the
+same held-out prompts and benchmarks. The peer's row has no curve: it decodes nothing while it
+trains, so the plot shows its held-out τ once, at its training minutes.
+
+Then ``DIR/quality.json`` (per family: samples trained, samples/s, τ held-out and per benchmark,
+the curve, the run's directory; with ``--peer``, the peer's row under ``peer`` with its trainer's
+figures, and ``ours_over_peer``: our EAGLE3 row's τ and samples/s over the peer's, per benchmark
+too, and whether they meet the targets of 1.0 and 1.2) and ``DIR/quality.png`` (τ against training
+minutes, one line per family), and a ``RESULT {json}`` line; exit status 1 when a row's run failed
+(its log, ``DIR/<family>.log`` or ``DIR/peer.log``, is named).
 """
 
 import argparse
@@ -35,50 +49,91 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 FAMILIES = ("eagle3", "eagle31", "dflash", "dflash2", "dspark")  # the real check's --family settings
+PEERS = {"specforge": "SpecForge 0.2.0 EAGLE3"}  # --peer: the trainer bench/peer_specforge.py runs
+PEER_ROW = "peer"  # the peer's folder and log under --out
+PEER_TARGETS = {"heldout_acceptance_length": 1.0, "samples_per_second": 1.2}  # ours over the peer's, at least
+
+
+def check_flags(args) -> list[str]:
+    """The real check's flags every row passes: the same config, train file and prompts."""
+    return ["--config", args.config, "--data", args.data, "--answers", str(args.answers), "--prompt-turns",
+            args.prompt_turns, "--answer-tokens", str(args.answer_tokens), "--validation-prompts",
+            str(args.validation_prompts), "--heldout-prompts", str(args.heldout_prompts), "--eval-new-tokens",
+            str(args.new_tokens)]
+
+
+def benchmark_command(args, out: Path, draft: Path) -> list[str]:
+    """Our evaluator on MT-Bench/HumanEval for ``draft``, with the row's resolved config."""
+    return [sys.executable, "-m", "specforge_core.evaluate", "--config", str(out / "realcheck.yaml"),
+            "--draft", str(draft), "--benchmarks", args.benchmarks, "--limit", str(args.benchmark_limit),
+            "--max-new-tokens", str(args.new_tokens), "--settings", "3,1,4", "--report",
+            str(out / "report" / "benchmarks.md")]
 
 
 def family_commands(args, family: str, out: Path) -> list[list[str]]:
     """The family's two commands: the real check's train/evaluate/report, then the benchmarks."""
-    check = [sys.executable, str(ROOT / "scripts" / "sharegpt_realcheck.py"), "--config", args.config,
-             "--data", args.data, "--answers", str(args.answers), "--prompt-turns", args.prompt_turns,
-             "--answer-tokens", str(args.answer_tokens), "--validation-prompts", str(args.validation_prompts),
-             "--heldout-prompts", str(args.heldout_prompts), "--eval-splits", "heldout",
-             "--eval-new-tokens", str(args.new_tokens), "--stages", "train,evaluate,report",
-             "--family", family, f"output.dir={out}", f"training.time_budget={args.minutes * 60:g}s", *args.overrides]
-    bench = [sys.executable, "-m", "specforge_core.evaluate", "--config", str(out / "realcheck.yaml"),
-             "--draft", str(out), "--benchmarks", args.benchmarks, "--limit", str(args.benchmark_limit),
-             "--max-new-tokens", str(args.new_tokens), "--settings", "3,1,4", "--report",
-             str(out / "report" / "benchmarks.md")]
-    return [check, bench]
+    check = [sys.executable, str(ROOT / "scripts" / "sharegpt_realcheck.py"), *check_flags(args),
+             "--eval-splits", "heldout", "--stages", "train,evaluate,report", "--family", family,
+             f"output.dir={out}", f"training.time_budget={args.minutes * 60:g}s", *args.overrides]
+    return [check, benchmark_command(args, out, out)]
 
 
-def run_family(args, family: str, device: str, out: Path) -> subprocess.Popen:
-    """Start the family's commands one after the other on ``device``, in the background."""
+def peer_commands(args, out: Path) -> list[list[str]]:
+    """The peer's two commands: SpecForge's trainer and our held-out decode, then the benchmarks."""
+    train = [sys.executable, str(ROOT / "bench" / "peer_specforge.py"), *check_flags(args),
+             "--minutes", f"{args.minutes:g}", f"output.dir={out}", *args.overrides]
+    return [train, benchmark_command(args, out, out / "draft")]
+
+
+def start_row(name: str, commands: list[list[str]], device: str, out: Path,
+              env: dict | None = None) -> subprocess.Popen:
+    """Start a row's commands one after the other on ``device``, in the background (``env``: more variables)."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the project first, then whatever the caller's PYTHONPATH adds (the peer's wheel, say)
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if device != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = device
-    check, bench = family_commands(args, family, out)
-    script = f"{shlex.join(check)} && {shlex.join(bench)} > {shlex.quote(str(out / 'benchmarks.json'))}"
-    with open(out.parent / f"{family}.log", "w") as log:  # the child keeps its own descriptor
+    run, bench = commands
+    script = f"{shlex.join(run)} && {shlex.join(bench)} > {shlex.quote(str(out / 'benchmarks.json'))}"
+    with open(out.parent / f"{name}.log", "w") as log:  # the child keeps its own descriptor
         return subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def summarize(family: str, out: Path) -> dict:
-    """One family's figures from its run's ``results.json`` and ``benchmarks.json``."""
+    """One row's figures from its run's ``results.json`` and ``benchmarks.json``."""
     results = json.loads((out / "results.json").read_text())
     bench = json.loads((out / "benchmarks.json").read_text().strip().splitlines()[-1])
     per_bench = {name: b["settings"][0]["acceptance_length"] for name, b in bench["benchmarks"].items()}
-    return {"family": family, "run": str(out), "samples": results["training"]["samples"],
-            "train_seconds": results["training"]["train_seconds"],
+    samples, seconds = results["training"]["samples"], results["training"]["train_seconds"]
+    return {"family": family, "run": str(out), "samples": samples, "train_seconds": seconds,
+            "samples_per_second": samples / seconds if seconds else None,
             "heldout_acceptance_length": results["heldout"]["acceptance_length"],
             "benchmarks": per_bench,
             "curve": [{"minutes": round((p["train_seconds"] or 0) / 60, 3), "acceptance_length": p["validation_acceptance_length"]}
                       for p in results.get("curve", [])]}
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """τ of the in-training decodes against training minutes, one line per family."""
+def ours_over_peer(ours: dict, peer: dict) -> dict:
+    """Our EAGLE3 row's τ and samples/s over the peer's, and whether both meet their targets."""
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    tau = ratio(ours["heldout_acceptance_length"], peer["heldout_acceptance_length"])
+    speed = ratio(ours["samples_per_second"], peer["samples_per_second"])
+    meets = None if tau is None or speed is None else \
+        tau >= PEER_TARGETS["heldout_acceptance_length"] and speed >= PEER_TARGETS["samples_per_second"]
+    shown = (lambda x: None if x is None else round(x, 3))
+    return {"heldout_acceptance_length": shown(tau), "samples_per_second": shown(speed),
+            "benchmarks": {name: shown(ratio(tau_ours, peer["benchmarks"].get(name)))
+                           for name, tau_ours in ours["benchmarks"].items()},
+            "targets": PEER_TARGETS, "meets_targets": meets}
+
+
+def plot(rows: list[dict], path: Path, peer: dict | None = None, ratios: dict | None = None) -> None:
+    """τ of the in-training decodes against training minutes, one line per family; the peer's
+    held-out τ after its training, one marker at its minutes (it decodes nothing while training),
+    and our EAGLE3 row over it in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,6 +143,14 @@ def plot(rows: list[dict], path: Path) -> None:
     for r in rows:
         ax.plot([p["minutes"] for p in r["curve"]], [p["acceptance_length"] for p in r["curve"]], marker="o",
                 label=f"{r['family']} (held-out τ {r['heldout_acceptance_length'] or float('nan'):.3f})")
+    if peer is not None:
+        ax.plot([peer["train_seconds"] / 60], [peer["heldout_acceptance_length"] or float("nan")], marker="*",
+                markersize=14, linestyle="none", color="black",
+                label=f"peer: {peer['family']} (held-out τ {peer['heldout_acceptance_length'] or float('nan'):.3f} "
+                      "after training)")
+    if ratios is not None:
+        ax.set_title(f"eagle3 over the peer: held-out τ ×{ratios['heldout_acceptance_length']}, "
+                     f"samples/s ×{ratios['samples_per_second']}")
     ax.set_xlabel("training minutes")
     ax.set_ylabel("acceptance length, in-training decodes")
     ax.legend()
@@ -103,7 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--answers", type=int, required=True)
     ap.add_argument("--prompt-turns", choices=["first", "all"], default="first")
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--gpus", required=True, help="one device per family, in order: CUDA indices or cpu")
+    ap.add_argument("--peer", choices=sorted(PEERS), help="also train this peer's EAGLE3 for the same minutes, "
+                    "on the device after the families' (needs eagle3 among --families)")
+    ap.add_argument("--gpus", required=True, help="one device per family, then the peer's: CUDA indices or cpu")
     ap.add_argument("--minutes", type=float, default=8.0, help="training minutes per family")
     ap.add_argument("--answer-tokens", type=int, default=128, help="as the data was made (the real check's flags)")
     ap.add_argument("--validation-prompts", type=int, default=32, help="as the data was made")
@@ -115,26 +180,42 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     families, devices = args.families.split(","), args.gpus.split(",")
     unknown = sorted(set(families) - set(FAMILIES))
-    if unknown or len(devices) != len(families):
-        ap.error(f"--families: {unknown} unknown" if unknown else
-                 f"--gpus gives {len(devices)} devices for {len(families)} families: one each")
+    rows_wanted = len(families) + bool(args.peer)
+    if unknown:
+        ap.error(f"--families: {unknown} unknown")
+    if len(devices) != rows_wanted:
+        ap.error(f"--gpus gives {len(devices)} devices for {len(families)} families"
+                 + (" and the peer" if args.peer else "") + ": one each")
+    if args.peer and "eagle3" not in families:
+        ap.error("--peer compares against our EAGLE3 row: add eagle3 to --families")
     out = Path(args.out).resolve()
     t0 = time.monotonic()
-    procs = {f: run_family(args, f, d, out / f) for f, d in zip(families, devices)}
+    names = {f: f for f in families}
+    procs = {f: start_row(f, family_commands(args, f, out / f), d, out / f) for f, d in zip(families, devices)}
+    if args.peer:
+        names[PEER_ROW] = PEERS[args.peer]
+        # on a CPU the peer's Triton loss runs under Triton's interpreter (bench/peer_specforge.py)
+        procs[PEER_ROW] = start_row(PEER_ROW, peer_commands(args, out / PEER_ROW), devices[-1], out / PEER_ROW,
+                                    env={"TRITON_INTERPRET": "1"} if devices[-1] == "cpu" else None)
     codes = {f: p.wait() for f, p in procs.items()}
-    rows, failed = [], {f: str(out / f"{f}.log") for f, c in codes.items() if c != 0}
-    for f in families:
+    figures, failed = {}, {f: str(out / f"{f}.log") for f, c in codes.items() if c != 0}
+    for f in procs:
         if f not in failed:
             try:
-                rows.append(summarize(f, out / f))
+                figures[f] = summarize(names[f], out / f)
             except (OSError, KeyError, ValueError, IndexError) as e:  # the run ended but left no figures
                 failed[f] = f"{out / f}: {type(e).__name__}: {e}"
+    rows = [figures[f] for f in families if f in figures]
+    peer = figures.get(PEER_ROW)
     result = {"config": args.config, "overrides": args.overrides, "answers": args.answers, "minutes": args.minutes,
-              "devices": dict(zip(families, devices)), "seconds": round(time.monotonic() - t0, 1),
+              "devices": dict(zip(procs, devices)), "seconds": round(time.monotonic() - t0, 1),
               "families": rows, "failed": failed}
+    if args.peer:
+        result["peer"] = peer and {**peer, "trainer": json.loads((out / PEER_ROW / "peer.json").read_text())}
+        result["ours_over_peer"] = ours_over_peer(figures["eagle3"], peer) if peer and "eagle3" in figures else None
     (out / "quality.json").write_text(json.dumps(result, indent=1))
-    if rows:
-        plot(rows, out / "quality.png")
+    if rows or peer:
+        plot(rows, out / "quality.png", peer, result.get("ours_over_peer"))
     print("RESULT " + json.dumps(result), flush=True)
     return 1 if failed else 0
 

@@ -277,10 +277,12 @@ class RealCheck:
 
     # ---- 4. evaluate ----------------------------------------------------------------------------
 
-    def evaluate_stage(self) -> dict:
+    def evaluate_stage(self, draft: Path | None = None) -> dict:
+        """Decode ``draft`` (default: the run's newest checkpoint; an exported directory for a
+        draft trained elsewhere, e.g. ``bench/peer_specforge.py``'s) on the evaluation splits."""
         from specforge_core.loop.checkpoint import latest_checkpoint
 
-        ckpt = latest_checkpoint(self.run)
+        ckpt = draft or latest_checkpoint(self.run)
         if ckpt is None:
             raise DataError("the run has no checkpoint to evaluate", where=str(self.run), fix="run the train stage")
         self.write_config(keep=True)
