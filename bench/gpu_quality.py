@@ -13,7 +13,8 @@
 and the pool of the target's answers; ``--prompt-turns all`` for more than ≈ 7,000),
 made beforehand on the GPU (``--regen-engine sglang``) or carried. Per family (``--families``; the
 setting each family trains with is the real check's ``--family``), one process on one device of ``--gpus``
-(``CUDA_VISIBLE_DEVICES``; ``cpu`` for a CPU), all at once:
+(``CUDA_VISIBLE_DEVICES``; ``cpu`` for a CPU), all at once; rows that name the same GPU run one after
+the other, each with the GPU to itself (``--gpus 0,0,0,0,0`` on a one-GPU machine):
 
 1. ``scripts/sharegpt_realcheck.py --stages train,evaluate,report`` with ``training.time_budget``
    = ``--minutes``: the run, its held-out decodes while training (the curve of τ against training
@@ -44,6 +45,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +100,24 @@ def start_row(name: str, commands: list[list[str]], device: str, out: Path,
     script = f"{shlex.join(run)} && {shlex.join(bench)} > {shlex.quote(str(out / 'benchmarks.json'))}"
     with open(out.parent / f"{name}.log", "w") as log:  # the child keeps its own descriptor
         return subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def run_rows(rows: list[tuple], out: Path) -> dict[str, int]:
+    """Run every ``(name, commands, device, env)`` row and return its exit code by name: rows on
+    different devices at once, rows that name the same CUDA device one after the other, in order,
+    so that each trains its minutes with the GPU to itself (``cpu`` rows all at once)."""
+    queues: dict[str, list[tuple]] = {}
+    for row in rows:
+        device = row[2]
+        queues.setdefault(device if device != "cpu" else f"cpu-{row[0]}", []).append(row)
+
+    def run_queue(queue: list[tuple]) -> dict[str, int]:
+        return {name: start_row(name, commands, device, out / name, env=env).wait()
+                for name, commands, device, env in queue}
+
+    with ThreadPoolExecutor(max_workers=len(queues)) as pool:
+        done = list(pool.map(run_queue, queues.values()))
+    return {name: code for part in done for name, code in part.items()}
 
 
 def summarize(family: str, out: Path) -> dict:
@@ -191,13 +211,14 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     t0 = time.monotonic()
     names = {f: f for f in families}
-    procs = {f: start_row(f, family_commands(args, f, out / f), d, out / f) for f, d in zip(families, devices)}
+    rows_to_run = [(f, family_commands(args, f, out / f), d, None) for f, d in zip(families, devices)]
     if args.peer:
         names[PEER_ROW] = PEERS[args.peer]
         # on a CPU the peer's Triton loss runs under Triton's interpreter (bench/peer_specforge.py)
-        procs[PEER_ROW] = start_row(PEER_ROW, peer_commands(args, out / PEER_ROW), devices[-1], out / PEER_ROW,
-                                    env={"TRITON_INTERPRET": "1"} if devices[-1] == "cpu" else None)
-    codes = {f: p.wait() for f, p in procs.items()}
+        rows_to_run.append((PEER_ROW, peer_commands(args, out / PEER_ROW), devices[-1],
+                            {"TRITON_INTERPRET": "1"} if devices[-1] == "cpu" else None))
+    codes = run_rows(rows_to_run, out)
+    procs = [name for name, *_ in rows_to_run]
     figures, failed = {}, {f: str(out / f"{f}.log") for f, c in codes.items() if c != 0}
     for f in procs:
         if f not in failed:
