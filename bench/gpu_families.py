@@ -71,7 +71,8 @@ CPU, in fp32) is what shows both sides step the same computation. Every family p
 ``--out DIR`` writes ``DIR/families.json``; the exit status is 1 when a side failed. A side
 that runs out of ``--side-timeout`` reports the tail of its progress lines (one per warmup step).
 ``BENCH_PROFILE=FILE`` with ``--side`` writes the timed steps' profiler table (CUDA time) to FILE
-(a folder instead of FILE, with or without ``--side``: one file per family and side in it);
+(a folder instead of FILE, with or without ``--side``: one file per family and side in it;
+``BENCH_PROFILE_SORT=self_cpu_time_total`` sorts it by the host's time instead);
 ``BENCH_SYNC_DEBUG=FILE`` (CUDA) one more step after the timed ones under
 ``torch.cuda.set_sync_debug_mode("warn")``, and writes to FILE each call site that made the host
 wait for the device, with its count (a step that waits leaves the GPU idle while it refills).
@@ -191,7 +192,7 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
                 times.append(time.perf_counter() - t)
             first = first or loss
     if profile:
-        order = "self_device_time_total" if cuda else "self_cpu_time_total"
+        order = os.environ.get("BENCH_PROFILE_SORT") or ("self_device_time_total" if cuda else "self_cpu_time_total")
         Path(profile).write_text(tracing.key_averages().table(sort_by=order, row_limit=40, max_name_column_width=90))
     if cuda and os.environ.get("BENCH_SYNC_DEBUG"):
         Path(os.environ["BENCH_SYNC_DEBUG"]).write_text(json.dumps(sync_sites(step), indent=1))
