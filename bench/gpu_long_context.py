@@ -2,7 +2,7 @@
 
     python bench/gpu_long_context.py --out DIR                                   # EAGLE3, 4k..64k, one GPU
     python bench/gpu_long_context.py --families eagle3,dflash --lengths 4096,32768 --no-peer --out DIR
-    python bench/gpu_long_context.py --setting eager --setting compiled+ckpt:single --out DIR   # + the 32k recipe's step
+    python bench/gpu_long_context.py --setting eager --setting eager+ckpt:single --out DIR    # + the 32k recipe's step
     python bench/gpu_long_context.py --shape tiny --device cpu --lengths 256,512 --steps 1 --no-peer  # smoke test
 
 Needs torch + transformers (the peer: the ``specforge==0.2.0`` wheel, ``--no-deps``). Per family
@@ -44,14 +44,14 @@ CHECKPOINTED_FAMILIES = ("eagle3",)  # DFlash-family configs refuse training.act
 
 def parse_setting(text: str, default_modes: str) -> dict:
     """``VARIANT[+ckpt][:MODE/MODE]`` -> ``{"name", "variant", "ckpt", "modes"}``."""
-    name, _, modes = text.partition(":")
-    variant, _, extra = name.partition("+")
-    if variant not in ("eager", "compiled") or extra not in ("", "ckpt"):
+    name, colon, modes = text.partition(":")
+    variant, *extra = name.split("+")
+    if variant not in ("eager", "compiled") or extra not in ([], ["ckpt"]):
         raise SystemExit(f"--setting {text!r}: expected eager or compiled, optionally +ckpt and :single/packed")
-    modes = modes.split("/") if modes else default_modes.split(",")
-    if set(modes) - {"single", "packed"}:
-        raise SystemExit(f"--setting {text!r}: the modes are single and packed")
-    return {"name": name, "variant": variant, "ckpt": extra == "ckpt", "modes": modes}
+    modes = modes.split("/") if colon else default_modes.split(",")
+    if not modes or set(modes) - {"single", "packed"} or len(set(modes)) != len(modes):
+        raise SystemExit(f"--setting {text!r}: the modes are single and packed, each at most once")
+    return {"name": name, "variant": variant, "ckpt": extra == ["ckpt"], "modes": modes}
 
 
 def gpu_train_command(args, setting: dict, family: str, length: int, mode: str, out: Path) -> list[str]:
@@ -130,6 +130,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     settings = [parse_setting(text, args.modes) for text in (args.setting or ["eager"])]
+    families = args.families.split(",")
+    for setting in settings:
+        if setting["ckpt"] and not set(families) & set(CHECKPOINTED_FAMILIES):
+            raise SystemExit(f"--setting {setting['name']}: none of --families {args.families} has activation "
+                             f"checkpointing (only {', '.join(CHECKPOINTED_FAMILIES)})")
     curve: dict = {"shape": args.shape, "date": time.strftime("%Y-%m-%d"), "lengths": lengths,
                    "settings": [s["name"] for s in settings], "points": []}
 
@@ -141,7 +146,7 @@ def main(argv=None) -> int:
             (Path(args.out) / "long_context.json").write_text(json.dumps(curve, indent=1))
 
     for setting in settings:
-        for family in args.families.split(","):
+        for family in families:
             if setting["ckpt"] and family not in CHECKPOINTED_FAMILIES:
                 continue
             for mode in setting["modes"]:

@@ -112,8 +112,14 @@ def run_rows(rows: list[tuple], out: Path) -> dict[str, int]:
         queues.setdefault(device if device != "cpu" else f"cpu-{row[0]}", []).append(row)
 
     def run_queue(queue: list[tuple]) -> dict[str, int]:
-        return {name: start_row(name, commands, device, out / name, env=env).wait()
-                for name, commands, device, env in queue}
+        codes = {}
+        for name, commands, device, env in queue:
+            try:
+                codes[name] = start_row(name, commands, device, out / name, env=env).wait()
+            except OSError as e:  # the row could not start: a failed row, the others go on
+                (out / f"{name}.log").write_text(f"could not start: {type(e).__name__}: {e}\n")
+                codes[name] = -1
+        return codes
 
     with ThreadPoolExecutor(max_workers=len(queues)) as pool:
         done = list(pool.map(run_queue, queues.values()))
@@ -218,9 +224,9 @@ def main(argv=None) -> int:
         rows_to_run.append((PEER_ROW, peer_commands(args, out / PEER_ROW), devices[-1],
                             {"TRITON_INTERPRET": "1"} if devices[-1] == "cpu" else None))
     codes = run_rows(rows_to_run, out)
-    procs = [name for name, *_ in rows_to_run]
+    row_names = [name for name, *_ in rows_to_run]
     figures, failed = {}, {f: str(out / f"{f}.log") for f, c in codes.items() if c != 0}
-    for f in procs:
+    for f in row_names:
         if f not in failed:
             try:
                 figures[f] = summarize(names[f], out / f)
@@ -229,7 +235,7 @@ def main(argv=None) -> int:
     rows = [figures[f] for f in families if f in figures]
     peer = figures.get(PEER_ROW)
     result = {"config": args.config, "overrides": args.overrides, "answers": args.answers, "minutes": args.minutes,
-              "devices": dict(zip(procs, devices)), "seconds": round(time.monotonic() - t0, 1),
+              "devices": dict(zip(row_names, devices)), "seconds": round(time.monotonic() - t0, 1),
               "families": rows, "failed": failed}
     if args.peer:
         result["peer"] = peer and {**peer, "trainer": json.loads((out / PEER_ROW / "peer.json").read_text())}

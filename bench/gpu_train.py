@@ -928,8 +928,8 @@ def build_backend(args):
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=4096,
                                   max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1e6)
     positions = (args.sample_length or 0) + args.ttt_length
-    if positions > ref.SHAPES[args.shape]["max_position_embeddings"]:  # a long-context build of the same shape
-        ref.SHAPES[args.shape]["max_position_embeddings"] = positions  # (as YaRN extends Qwen3): same sizes
+    if positions > ref.SHAPES[args.shape]["max_position_embeddings"]:  # the sample and its TTT positions:
+        ref.SHAPES[args.shape]["max_position_embeddings"] = positions  # a longer context, the same sizes and work
     report("max_position_embeddings", ref.SHAPES[args.shape]["max_position_embeddings"])
     model = ref.build_random_target(args.shape, device=str(args.device))
     if args.family != "eagle3":

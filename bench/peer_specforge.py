@@ -265,6 +265,8 @@ def train(cfg, out: Path, device, *, minutes: float, attention_backend: str | No
             sync()
             times.append(time.perf_counter() - t0)
         del probe, stream
+        for p in draft.parameters():  # a probe that ended inside an accumulation window left gradients
+            p.grad = None
         micro_s = statistics.median(times[1:])  # the first compiles; a new shape's recompile is an outlier
         budget_s = minutes * 60
         horizon = horizon_steps(budget_s, micro_s * t.accumulation_steps)  # optimizer steps, as its schedule counts

@@ -150,3 +150,16 @@ def test_the_curve_runs_every_family_and_the_checkpointed_step(tmp_path, options
     assert [(p["setting"], p["family"], p["mode"]) for p in curve["points"]] == [
         (curve["settings"][0], f, "single") for f in families]
     assert all(p["tokens_per_step"] == 256 and p["tokens_per_s"] > 0 for p in curve["points"])
+
+
+@pytest.mark.parametrize("options,says", [
+    (("--setting", "eager+"), "expected eager or compiled"),
+    (("--setting", "fast"), "expected eager or compiled"),
+    (("--setting", "eager:"), "the modes are single and packed"),
+    (("--setting", "eager:single/single"), "each at most once"),
+    (("--families", "dflash", "--setting", "eager+ckpt"), "none of --families dflash has activation checkpointing"),
+])
+def test_a_setting_the_curve_cannot_run_is_refused_before_any_point(options, says):
+    cmd = [sys.executable, str(BENCH / "gpu_long_context.py"), "--shape", "tiny", "--device", "cpu", "--no-peer", *options]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and says in proc.stderr and "POINT" not in proc.stdout, proc.stderr[-1000:]
