@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from flows.local_stack import wait_for  # noqa: E402  (after the project root is on the path)
 
 DEPLOYMENT = "colocated-train/default"
+ENDED = {"Completed", "Failed", "Crashed", "Cancelled"}  # a flow run's final states
 
 
 def start_run(stack, config: dict, *, watch: bool, timeout_s: float) -> tuple[str, float]:
@@ -139,7 +140,7 @@ def run_both(args, out: Path, config: dict, result: dict, t0: float) -> int:
         with SyncPrefectClient(stack.api_url) as client:
             # 1. a run as a user starts it, watched to its end
             first, seconds = start_run(stack, config, watch=True, timeout_s=args.run_timeout)
-            state = final_state(client, first, {"Completed", "Failed", "Crashed", "Cancelled"}, 60)
+            state = final_state(client, first, ENDED, 60)
             result["watched"] = {"flow_run": first, "state": state, "seconds": round(seconds, 1),
                                  "stages": stages(client, first)}
             # 2. a run killed after its first checkpoint, then retried
@@ -147,10 +148,10 @@ def run_both(args, out: Path, config: dict, result: dict, t0: float) -> int:
             run = wait_for(lambda: client.read_flow_run(second), 60, "the second flow run")
             run_dir = run_dir_for(config["output"]["dir"], run.name, str(run.id))
             checkpoint, pids = kill_training(run_dir, args.run_timeout)
-            crashed = final_state(client, second, {"Crashed", "Failed", "Completed", "Cancelled"}, 300)
+            crashed = final_state(client, second, ENDED, 300)
             t = time.monotonic()
             stack.prefect("flow-run", "retry", second, timeout_s=60)
-            retried = final_state(client, second, {"Completed", "Failed", "Crashed", "Cancelled"}, args.run_timeout)
+            retried = final_state(client, second, ENDED, args.run_timeout)
             log = RunDir(run_dir).train_log
             resumed = [line.strip() for line in (log.read_text(errors="replace").splitlines() if log.is_file() else [])
                        if line.lstrip().startswith("resumed from")]

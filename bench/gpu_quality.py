@@ -108,8 +108,8 @@ def run_rows(rows: list[tuple], out: Path) -> dict[str, int]:
     so that each trains its minutes with the GPU to itself (``cpu`` rows all at once)."""
     queues: dict[str, list[tuple]] = {}
     for row in rows:
-        device = row[2]
-        queues.setdefault(device if device != "cpu" else f"cpu-{row[0]}", []).append(row)
+        name, _, device, _ = row
+        queues.setdefault(device if device != "cpu" else f"cpu-{name}", []).append(row)
 
     def run_queue(queue: list[tuple]) -> dict[str, int]:
         codes = {}

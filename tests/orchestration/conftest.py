@@ -36,8 +36,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-
-
 def read_pids(path: Path) -> list[int] | None:
     """All pids the fake launcher recorded (launcher first), or None before it wrote them."""
     if not path.is_file():
