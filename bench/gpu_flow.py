@@ -1,14 +1,17 @@
 """The flow as a user starts it, then crashed and retried: a real Prefect server, work pool, worker and deployment.
 
     python bench/gpu_flow.py --config C.yaml [overrides ...] --out DIR          # GPU node, Prefect installed
+    python bench/gpu_flow.py --config examples/gpu/smollm2-135m-1gpu.yaml --deployment smollm2-135m-1gpu \
+        model.target=T data.train_files=[F] training.max_steps=60 training.save_interval=20 --out DIR
     python bench/gpu_flow.py --config examples/tiny-cpu.yaml model.target=T data.train_files=[F] \
         training.max_steps=20 training.save_interval=2 --out DIR                  # the same on a CPU
 
 One call, everything under ``--out`` (the Prefect home, its SQLite database and logs, the runs):
 
-1. ``prefect server start`` on 127.0.0.1, the work pool ``colocated-pool`` (process type), ``prefect
-   deploy --all`` of ``deployments/prefect.yaml`` and one worker (``flows/local_stack.py``);
-2. ``prefect deployment run colocated-train/default --params {"config": C} --watch``: the data
+1. ``prefect server start`` on 127.0.0.1, the work pools ``colocated-pool`` and ``gpu-pool`` (process
+   type), ``prefect deploy --all`` of ``deployments/prefect.yaml`` and one worker on the pool of the
+   deployment ``--deployment`` names (``flows/local_stack.py``);
+2. ``prefect deployment run colocated-train/<deployment> --params {"config": C} --watch``: the data
    stages, training and validation must end Completed;
 3. the same deployment again without ``--watch``; once its first checkpoint is on disk the training
    task's torchrun and ranks are killed with SIGKILL (the process tree the train task records),
@@ -34,14 +37,28 @@ sys.path.insert(0, str(ROOT))
 
 from flows.local_stack import wait_for  # noqa: E402  (after the project root is on the path)
 
-DEPLOYMENT = "colocated-train/default"
+FLOW = "colocated-train"
 ENDED = {"Completed", "Failed", "Crashed", "Cancelled"}  # a flow run's final states
 
 
-def start_run(stack, config: dict, *, watch: bool, timeout_s: float) -> tuple[str, float]:
-    """A flow run of the deployment with ``config``: its id and the seconds the CLI took."""
+def deployment_pool(name: str) -> str:
+    """The work pool ``deployments/prefect.yaml`` gives the deployment ``name``."""
+    import yaml
+
+    from flows.local_stack import PREFECT_YAML
+
+    spec = yaml.safe_load(PREFECT_YAML.read_text())
+    pools = {d["name"]: d["work_pool"]["name"] for d in spec["deployments"]}
+    if name not in pools:
+        raise SystemExit(f"--deployment {name}: no such deployment in {PREFECT_YAML.name} "
+                         f"(it has {', '.join(sorted(pools))})")
+    return pools[name]
+
+
+def start_run(stack, deployment: str, config: dict, *, watch: bool, timeout_s: float) -> tuple[str, float]:
+    """A flow run of ``deployment`` with ``config``: its id and the seconds the CLI took."""
     t = time.monotonic()
-    done = stack.prefect("deployment", "run", DEPLOYMENT, "--params", json.dumps({"config": config}),
+    done = stack.prefect("deployment", "run", f"{FLOW}/{deployment}", "--params", json.dumps({"config": config}),
                          *(["--watch"] if watch else []), timeout_s=timeout_s, check=False)
     ids = [line.split("UUID:")[1].strip() for line in done.stdout.splitlines() if "UUID:" in line]
     if not ids:
@@ -92,8 +109,11 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True, help="the run config (a recipe), passed as the flow's parameter")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.max_steps=20")
     ap.add_argument("--out", required=True, help="Prefect home, runs and flow.json")
+    ap.add_argument("--deployment", default="default",
+                    help="the deployment of deployments/prefect.yaml to run (its worker serves that pool)")
     ap.add_argument("--run-timeout", type=float, default=1800, help="seconds one flow run may take")
     args = ap.parse_args(argv)
+    pool = deployment_pool(args.deployment)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
@@ -109,10 +129,11 @@ def main(argv=None) -> int:
                  "training.save_interval (e.g. training.max_steps=60 training.save_interval=20)")
     config = loaded.model_dump(mode="json")
     config["output"]["dir"] = str(out / "runs")
-    result: dict = {"config": args.config, "overrides": args.overrides, "deployment": DEPLOYMENT}
+    result: dict = {"config": args.config, "overrides": args.overrides, "deployment": f"{FLOW}/{args.deployment}",
+                    "work_pool": pool}
     t0 = time.monotonic()
     try:
-        return run_both(args, out, config, result, t0)
+        return run_both(args, pool, out, config, result, t0)
     finally:  # torchrun and its ranks run in sessions of their own: the worker's stop does not reach them
         from tasks.process_group import stop_process_tree
 
@@ -123,7 +144,7 @@ def main(argv=None) -> int:
                 pass
 
 
-def run_both(args, out: Path, config: dict, result: dict, t0: float) -> int:
+def run_both(args, pool: str, out: Path, config: dict, result: dict, t0: float) -> int:
     """The watched run and the killed-and-retried one (module doc); writes flow.json, returns the exit status."""
     from prefect.client.orchestration import SyncPrefectClient
 
@@ -135,16 +156,16 @@ def run_both(args, out: Path, config: dict, result: dict, t0: float) -> int:
         stack.prefect("work-pool", "create", "colocated-pool", "--type", "process", "--overwrite")
         stack.prefect("work-pool", "create", "gpu-pool", "--type", "process", "--overwrite")  # the GPU recipes' pool
         stack.deploy()
-        stack.start_worker("colocated-pool")
+        stack.start_worker(pool)
         result["stack_seconds"] = round(time.monotonic() - t0, 1)
         with SyncPrefectClient(stack.api_url) as client:
             # 1. a run as a user starts it, watched to its end
-            first, seconds = start_run(stack, config, watch=True, timeout_s=args.run_timeout)
+            first, seconds = start_run(stack, args.deployment, config, watch=True, timeout_s=args.run_timeout)
             state = final_state(client, first, ENDED, 60)
             result["watched"] = {"flow_run": first, "state": state, "seconds": round(seconds, 1),
                                  "stages": stages(client, first)}
             # 2. a run killed after its first checkpoint, then retried
-            second, _ = start_run(stack, config, watch=False, timeout_s=120)
+            second, _ = start_run(stack, args.deployment, config, watch=False, timeout_s=120)
             run = wait_for(lambda: client.read_flow_run(second), 60, "the second flow run")
             run_dir = run_dir_for(config["output"]["dir"], run.name, str(run.id))
             checkpoint, pids = kill_training(run_dir, args.run_timeout)
