@@ -16,9 +16,14 @@ CPU machine and carried). Two runs of ``specforge_core.regenerate``'s own functi
 
 Then, per sampled prompt, whether the two greedy answers are the same token for token (decoded
 text compared; tokenised again with the run's tokenizer), and for those that differ, at which
-answer token they part: in bf16 two engines' kernels round differently, and one near-tied argmax
-is enough to send the rest of an answer elsewhere. Prints ``RESULT {json}`` and writes
-``DIR/regenerate.json`` (the answers stay in ``DIR``).
+answer token they part. Why they part: the target in float32 reads each parted prompt with the
+reference's answer, and at the parting token gives its top-2 logit gap, which engine's token it
+picks, and the share of that answer's other tokens whose gap is smaller. In bf16 two engines'
+kernels round differently, and one near-tied argmax is enough to send the rest of an answer
+elsewhere: partings at small gaps, on both engines' side alike, are that. ``--reference-dtype
+float32`` answers the sample in float32 instead (on a CPU too, with the SGLang answers already in
+``DIR``: nothing is left for SGLang to answer, so no engine starts). Prints ``RESULT {json}`` and
+writes ``DIR/regenerate.json`` (the answers stay in ``DIR``).
 """
 
 import argparse
@@ -30,22 +35,70 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def answers(path: Path) -> dict[str, str]:
+def conversations(path: Path) -> dict[str, list[dict]]:
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    return {row["id"]: row["conversations"][-1]["content"] for row in rows}
+    return {row["id"]: row["conversations"] for row in rows}
+
+
+def answers(path: Path) -> dict[str, str]:
+    return {key: turns[-1]["content"] for key, turns in conversations(path).items()}
 
 
 def compare_answers(tok, ours: dict[str, str], reference: dict[str, str]) -> dict:
-    """Same answers, and where the others part (answer-token index of the first difference)."""
-    same, parted = 0, []
+    """Same answers, and where the others part: per parted answer its id, the answer-token index of
+    the first difference and the two tokens there (None where one answer ends first)."""
+    same, partings = 0, []
     for key, text in reference.items():
         a, b = (tok(t, add_special_tokens=False)["input_ids"] for t in (ours[key], text))
         if a == b:
             same += 1
             continue
-        parted.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-    return {"compared": len(reference), "same": same, "differ": len(parted),
-            "first_difference_at_tokens": sorted(parted)}
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        partings.append({"id": key, "at": at, "ours_token": a[at] if at < len(a) else None,
+                         "reference_token": b[at] if at < len(b) else None})
+    partings.sort(key=lambda p: p["at"])
+    return {"compared": len(reference), "same": same, "differ": len(partings),
+            "first_difference_at_tokens": [p["at"] for p in partings], "partings": partings}
+
+
+def parting_margins(cfg, rows: dict[str, list[dict]], partings: list[dict], device: str) -> dict:
+    """The float32 target at each parting (``compare_answers``' records, updated in place): its
+    top-2 logit gap there, whose token it picks (``ours``, ``reference`` or ``neither``), and the
+    share of the reference answer's tokens with a smaller gap; ``rows`` are the reference's rows."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specforge_core.data.tokenize import ChatRenderer, load_tokenizer
+
+    tok = load_tokenizer(cfg)
+    renderer = ChatRenderer(tok, template_kwargs=cfg.data.chat_template_kwargs)  # as regenerate renders
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=torch.float32).to(device).eval()
+    for p in partings:
+        turns = rows[p["id"]]
+        prompt = tok(renderer.render(turns[:-1], None, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+        answer = tok(turns[-1]["content"], add_special_tokens=False)["input_ids"]
+        if p["ours_token"] is None or p["reference_token"] is None:
+            continue  # one answer is the other's start: no token to weigh
+        with torch.no_grad():
+            ids = torch.tensor([prompt + answer], device=device)
+            logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(answer) - 1].float()
+        top = logits.topk(2, dim=-1)
+        gaps = top.values[:, 0] - top.values[:, 1]
+        pick = int(top.indices[p["at"], 0])
+        p.update(fp32_gap=round(float(gaps[p["at"]]), 4),
+                 fp32_picks="ours" if pick == p["ours_token"] else "reference" if pick == p["reference_token"]
+                 else "neither",
+                 smaller_gaps_share=round(float((gaps < gaps[p["at"]]).float().mean()), 3),
+                 answer_median_gap=round(float(gaps.median()), 4))
+    weighed = [p for p in partings if "fp32_gap" in p]
+    picks = [p["fp32_picks"] for p in weighed]
+    return {"weighed": len(weighed), "median_gap_at_parting": statistics.median([p["fp32_gap"] for p in weighed])
+            if weighed else None,
+            "median_gap_in_answers": statistics.median([p["answer_median_gap"] for p in weighed]) if weighed else None,
+            "fp32_picks": {k: picks.count(k) for k in ("ours", "reference", "neither")}}
 
 
 def main(argv=None) -> int:
@@ -56,6 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", type=int, default=64, help="prompts answered by hf too, to compare")
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=1024, help="prompts per SGLang call (and per write)")
+    ap.add_argument("--reference-dtype", help="the sample's dtype in transformers (default: the config's)")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -71,12 +125,15 @@ def main(argv=None) -> int:
     sglang_run = regenerate(cfg, out / "answers-sglang.jsonl", files=[args.prompts], batch_size=args.batch_size,
                             max_new_tokens=args.answer_tokens, limit=args.answers, engine="sglang")
     print("sglang " + json.dumps(sglang_run), flush=True)
-    hf_run = regenerate(cfg, out / "answers-hf.jsonl", files=[args.prompts], batch_size=32,
-                        max_new_tokens=args.answer_tokens, limit=args.sample, engine="hf")
+    dtype = args.reference_dtype or cfg.model.dtype
+    reference = out / f"answers-hf-{dtype}.jsonl"
+    hf_run = regenerate(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})}), reference,
+                        files=[args.prompts], batch_size=32, max_new_tokens=args.answer_tokens,
+                        limit=args.sample, engine="hf")
     print("hf " + json.dumps(hf_run), flush=True)
-    result = {"sglang": sglang_run, "hf": hf_run,
-              "greedy": compare_answers(load_tokenizer(cfg), answers(out / "answers-sglang.jsonl"),
-                                answers(out / "answers-hf.jsonl"))}
+    greedy = compare_answers(load_tokenizer(cfg), answers(out / "answers-sglang.jsonl"), answers(reference))
+    greedy["why"] = parting_margins(cfg, conversations(reference), greedy["partings"], cfg.capture.device)
+    result = {"sglang": sglang_run, "hf": {**hf_run, "dtype": dtype}, "greedy": greedy}
     print("RESULT " + json.dumps(result), flush=True)
     (out / "regenerate.json").write_text(json.dumps(result, indent=1))
     return 0

@@ -164,6 +164,7 @@ def test_the_sglang_engine_writes_the_same_greedy_answers_as_hf(cfg, tmp_path):
     assert engine.kwargs["tp_size"] == cfg.capture.tp_size and engine.closed
     again = regenerate(cfg, sglang, batch_size=4, max_new_tokens=12, engine="sglang", engine_factory=start)
     assert again["written"] == 0 and again["already_written"] == len(QUESTIONS)  # resumable as hf is
+    assert len(engines) == 1  # nothing left to answer: no engine is started for it
 
 
 def test_without_sglang_installed_the_sglang_engine_is_refused_naming_the_option(cfg, tmp_path):
@@ -185,5 +186,33 @@ def test_the_regeneration_bench_counts_same_answers_and_where_the_others_part(ti
     ours = {"a": "the cat sat", "b": "the cat ran far", "c": "hello"}
     reference = {"a": "the cat sat", "b": "the cat sat down", "c": "hello"}
     got = bench.compare_answers(tiny_tokenizer, ours, reference)
-    parted = len(tiny_tokenizer("the cat", add_special_tokens=False)["input_ids"])
-    assert got == {"compared": 3, "same": 2, "differ": 1, "first_difference_at_tokens": [parted]}
+    encode = lambda text: tiny_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    parted = len(encode("the cat"))
+    assert (got["compared"], got["same"], got["differ"], got["first_difference_at_tokens"]) == (3, 2, 1, [parted])
+    assert got["partings"] == [{"id": "b", "at": parted, "ours_token": encode("the cat ran far")[parted],
+                                "reference_token": encode("the cat sat down")[parted]}]
+
+
+def test_the_regeneration_bench_weighs_each_parting_with_the_float32_target(cfg, tiny_target_dir, tiny_tokenizer,
+                                                                           tmp_path):
+    from tests.bench_scripts import load_bench
+
+    bench = load_bench("gpu_regenerate")
+    row = {"id": "a", "conversations": [{"role": "user", "content": QUESTIONS[0]},
+                                        {"role": "assistant", "content": "the cat sat on the mat"}]}
+    prompt = tiny_tokenizer(tiny_tokenizer.apply_chat_template(row["conversations"][:1], tokenize=False,
+                                                               add_generation_prompt=True),
+                            add_special_tokens=False)["input_ids"]
+    answer = tiny_tokenizer(row["conversations"][1]["content"], add_special_tokens=False)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) + 1]  # predicts answer token 2
+    first, second = logits.topk(2).indices.tolist()
+    partings = [{"id": "a", "at": 2, "ours_token": first, "reference_token": second},
+                {"id": "a", "at": 2, "ours_token": second, "reference_token": first},
+                {"id": "a", "at": 2, "ours_token": second, "reference_token": None}]  # one answer ended there
+    why = bench.parting_margins(cfg, {"a": row["conversations"]}, partings, "cpu")
+    assert [p.get("fp32_picks") for p in partings] == ["ours", "reference", None]
+    gap = float(logits.topk(2).values[0] - logits.topk(2).values[1])
+    assert partings[0]["fp32_gap"] == pytest.approx(gap, abs=1e-4) and 0 <= partings[0]["smaller_gaps_share"] <= 1
+    assert why["weighed"] == 2 and why["fp32_picks"] == {"ours": 1, "reference": 1, "neither": 0}
