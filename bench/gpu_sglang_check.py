@@ -10,7 +10,9 @@ Phases (each in a process of its own: one SGLang engine per process):
   saved, the same packed TP-wide batch is captured through ``capture.backend=sglang`` (our seam,
   ``capture/sglang_engine.py``) and through ``hf``; per captured layer and for the last hidden,
   the minimum cosine over tokens, and the teacher's argmax agreement (``last @ lm_head^T``).
-  Pass: cosine ≥ 0.999, argmax agreement ≥ 99 %.
+  Pass: cosine ≥ 0.999, and argmax agreement ≥ 99 % or, where bf16 near-ties split the two paths,
+  SGLang as faithful to the float32 target as hf (its argmax agreement with float32 at most one
+  point below hf's) with the split tokens' float32 top-2 gap under a tenth of the typical one.
 - ``train``: ``python -m specforge_core.train`` with ``capture.backend=sglang`` on the tiny target
   and data ``--prepare`` built (no datasets package needed on the node): 20 steps, checkpoint at
   10, SIGKILL, resume, finish. Pass: finite losses, acc_0 rising (the draft learns), resumed at step 10.
@@ -135,8 +137,10 @@ def phase_agree(arch: str, out_dir: Path) -> None:
     top2 = logits_x.topk(2, dim=-1).values
     gap = top2[:, 0] - top2[:, 1]
     split = top_g != top_w
+    faithful = float((top_g == top_x).float().mean()) >= float((top_w == top_x).float().mean()) - 0.01
+    ties = not bool(split.any()) or float(gap[split].median()) < 0.1 * float(gap.median())
     ok = min(layers.values()) >= 0.999 and float(cosine_similarity(last_g, last_w, dim=-1).min()) >= 0.999 \
-        and float(argmax) >= 0.99
+        and (float(argmax) >= 0.99 or (faithful and ties))
     result(phase=f"agree-{arch}", layer_ids=list(sg.layer_ids), min_cosine_per_layer=layers,
            min_cosine_last=float(cosine_similarity(last_g, last_w, dim=-1).min()),
            teacher_argmax_agreement=float(argmax),
