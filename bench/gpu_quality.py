@@ -13,21 +13,26 @@
 and the pool of the target's answers; ``--prompt-turns all`` for more than ≈ 7,000),
 made beforehand on the GPU (``--regen-engine sglang``) or carried. Per family (``--families``; the
 setting each family trains with is the real check's ``--family``), one process on one device of ``--gpus``
-(``CUDA_VISIBLE_DEVICES``; ``cpu`` for a CPU), all at once; rows that name the same GPU run one after
-the other, each with the GPU to itself (``--gpus 0,0,0,0,0`` on a one-GPU machine):
+(``CUDA_VISIBLE_DEVICES``; ``cpu`` for a CPU), all at once. Each row trains, then measures:
 
-1. ``scripts/sharegpt_realcheck.py --stages train,evaluate,report`` with ``training.time_budget``
-   = ``--minutes``: the run, its held-out decodes while training (the curve of τ against training
-   minutes), τ at k = 3 on the held-out ShareGPT prompts;
-2. ``python -m specforge_core.evaluate --benchmarks mt-bench,humaneval`` on the trained draft
+1. train: ``scripts/sharegpt_realcheck.py --stages train`` with ``training.time_budget`` =
+   ``--minutes``: the run and its held-out decodes while training (the curve of τ against
+   training minutes);
+2. measure: ``--stages evaluate,report`` (τ at k = 3 on the held-out ShareGPT prompts), then
+   ``python -m specforge_core.evaluate --benchmarks mt-bench,humaneval`` on the trained draft
    (``--benchmark-limit`` prompts each, k = 3).
 
-``--peer specforge`` adds one row on the last device of ``--gpus``: ``bench/peer_specforge.py``
-trains SpecForge 0.2.0's EAGLE3 draft with its own training loop on the same answers for the same
-``--minutes`` (the ``specforge`` wheel must be importable: install it with ``pip install --no-deps
+Rows that name the same GPU train one after the other, each with the GPU to itself (``--gpus
+0,0,0,0,0`` on a one-GPU machine); their measurements wait until that GPU's last row has trained
+and then run all at once (decoding needs no timing, and an idle GPU holds them all), so one GPU
+takes the rows' training minutes plus about one measurement, not one per row.
+
+``--peer specforge`` adds one row on the last device of ``--gpus``: ``bench/peer_specforge.py
+--phase train`` trains SpecForge 0.2.0's EAGLE3 draft with its own training loop on the same answers
+for the same ``--minutes`` (the ``specforge`` wheel must be importable: install it with ``pip install --no-deps
 --target /tmp/site specforge-0.2.0-py3-none-any.whl`` and put ``/tmp/site`` on ``PYTHONPATH``,
-which every row inherits after the project), then our evaluator decodes its exported draft on the
-same held-out prompts and benchmarks. The peer's row has no curve: it decodes nothing while it
+which every row inherits after the project), then (``--phase evaluate``, with the measurements) our
+evaluator decodes its exported draft on the same held-out prompts and benchmarks. The peer's row has no curve: it decodes nothing while it
 trains, so the plot shows its held-out τ once, at its training minutes.
 
 Then ``DIR/quality.json`` (per family: samples trained, samples/s, τ held-out and per benchmark,
@@ -73,53 +78,63 @@ def benchmark_command(args, out: Path, draft: Path) -> list[str]:
 
 
 def family_commands(args, family: str, out: Path) -> list[list[str]]:
-    """The family's two commands: the real check's train/evaluate/report, then the benchmarks."""
+    """The family's commands: the real check's training, then its held-out decode and the benchmarks."""
     check = [sys.executable, str(ROOT / "scripts" / "sharegpt_realcheck.py"), *check_flags(args),
-             "--eval-splits", "heldout", "--stages", "train,evaluate,report", "--family", family,
-             f"output.dir={out}", f"training.time_budget={args.minutes * 60:g}s", *args.overrides]
-    return [check, benchmark_command(args, out, out)]
+             "--eval-splits", "heldout", "--family", family, f"output.dir={out}",
+             f"training.time_budget={args.minutes * 60:g}s", *args.overrides]
+    return [[*check, "--stages", "train"], [*check, "--stages", "evaluate,report"], benchmark_command(args, out, out)]
 
 
 def peer_commands(args, out: Path) -> list[list[str]]:
-    """The peer's two commands: SpecForge's trainer and our held-out decode, then the benchmarks."""
-    train = [sys.executable, str(ROOT / "bench" / "peer_specforge.py"), *check_flags(args),
-             "--minutes", f"{args.minutes:g}", f"output.dir={out}", *args.overrides]
-    return [train, benchmark_command(args, out, out / "draft")]
+    """The peer's commands: SpecForge's trainer, then our held-out decode of its export and the benchmarks."""
+    peer = [sys.executable, str(ROOT / "bench" / "peer_specforge.py"), *check_flags(args),
+            "--minutes", f"{args.minutes:g}", f"output.dir={out}", *args.overrides]
+    return [[*peer, "--phase", "train"], [*peer, "--phase", "evaluate"], benchmark_command(args, out, out / "draft")]
 
 
-def start_row(name: str, commands: list[list[str]], device: str, out: Path,
-              env: dict | None = None) -> subprocess.Popen:
-    """Start a row's commands one after the other on ``device``, in the background (``env``: more variables)."""
+def start_phase(name: str, commands: list[list[str]], device: str, out: Path, env: dict | None = None,
+                *, benchmarks: bool = False) -> subprocess.Popen:
+    """Start ``commands`` one after the other on ``device``, in the background, appending to the row's
+    log (``env``: more variables); with ``benchmarks`` the last one's output is ``benchmarks.json``."""
     out.mkdir(parents=True, exist_ok=True)
     # the project first, then whatever the caller's PYTHONPATH adds (the peer's wheel, say)
     env = {**os.environ, **(env or {}),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if device != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = device
-    run, bench = commands
-    script = f"{shlex.join(run)} && {shlex.join(bench)} > {shlex.quote(str(out / 'benchmarks.json'))}"
-    with open(out.parent / f"{name}.log", "w") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    parts = [shlex.join(c) for c in commands]
+    if benchmarks:
+        parts[-1] += f" > {shlex.quote(str(out / 'benchmarks.json'))}"
+    with open(out.parent / f"{name}.log", "a") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(["bash", "-c", " && ".join(parts)], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
 
 
 def run_rows(rows: list[tuple], out: Path) -> dict[str, int]:
-    """Run every ``(name, commands, device, env)`` row and return its exit code by name: rows on
-    different devices at once, rows that name the same CUDA device one after the other, in order,
-    so that each trains its minutes with the GPU to itself (``cpu`` rows all at once)."""
+    """Run every ``(name, commands, device, env)`` row (``commands``: the training command, then
+    the measurement's) and return its exit code by name. Rows on different devices run at once;
+    rows that name the same CUDA device train one after the other, in order, each with the GPU to
+    itself, and their measurements start together once the last of them has trained (``cpu``
+    rows: each its own device)."""
     queues: dict[str, list[tuple]] = {}
     for row in rows:
         name, _, device, _ = row
         queues.setdefault(device if device != "cpu" else f"cpu-{name}", []).append(row)
 
     def run_queue(queue: list[tuple]) -> dict[str, int]:
-        codes = {}
+        codes, trained = {}, []
         for name, commands, device, env in queue:
+            (out / f"{name}.log").unlink(missing_ok=True)
             try:
-                codes[name] = start_row(name, commands, device, out / name, env=env).wait()
+                codes[name] = start_phase(name, commands[:1], device, out / name, env=env).wait()
             except OSError as e:  # the row could not start: a failed row, the others go on
                 (out / f"{name}.log").write_text(f"could not start: {type(e).__name__}: {e}\n")
                 codes[name] = -1
-        return codes
+            if codes[name] == 0:
+                trained.append((name, commands, device, env))
+        measuring = {name: start_phase(name, commands[1:], device, out / name, env=env, benchmarks=True)
+                     for name, commands, device, env in trained}
+        return {**codes, **{name: proc.wait() for name, proc in measuring.items()}}
 
     with ThreadPoolExecutor(max_workers=len(queues)) as pool:
         done = list(pool.map(run_queue, queues.values()))

@@ -55,6 +55,8 @@ settings and figures: samples, tokens, steps, minutes, samples/s, tokens/s), ``c
 ``draft/`` (the export), ``eval-heldout.json`` (our evaluator's τ at k = 3 on the held-out
 prompts, the real check's evaluate stage) and ``results.json`` (what ``bench/gpu_quality.py``
 reads), and prints a ``RESULT {json}`` line. A folder that already holds ``peer.json`` is refused.
+``--phase train`` stops after ``peer.json`` and the export; ``--phase evaluate`` then decodes that
+export (``bench/gpu_quality.py`` measures every row once the GPU's training is done).
 """
 
 import argparse
@@ -327,10 +329,33 @@ def parse_args(argv=None):
     ap.add_argument("--attention-backend", choices=["flex_attention", "sdpa"],
                     help="the draft's attention (default: flex_attention on CUDA, sdpa on the CPU)")
     ap.add_argument("--probe-steps", type=int, default=5, help="timed steps at learning rate 0 that set the horizon")
+    ap.add_argument("--phase", choices=["all", "train", "evaluate"], default="all",
+                    help="train (to peer.json and the export), evaluate (our held-out decode of that export), or both")
     args, rest = ap.parse_known_args(argv)
     if args.minutes <= 0 or args.probe_steps < 1:
         ap.error("--minutes must be positive and --probe-steps at least 1")
     return args, realcheck_args([*rest, "--eval-splits", "heldout"])
+
+
+def train_phase(args, cfg, check, out: Path) -> dict:
+    """Train the peer into ``out`` (refused where a peer run is) and write ``peer.json``: its figures."""
+    from specforge_core.system.device import resolve_device
+
+    if (out / "peer.json").is_file():
+        raise ConfigError("this folder already holds a peer run", where=str(out / "peer.json"),
+                          fix="give a new output.dir, or delete the old one")
+    device = resolve_device(cfg.capture.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("SpecForge's loss is a Triton kernel with no CPU path; on the CPU only Triton's "
+                          "interpreter runs it", where="TRITON_INTERPRET",
+                          fix="start this script with TRITON_INTERPRET=1 in its environment (Triton reads "
+                              "it when it is first imported), or give it a GPU (capture.device)")
+    import_specforge()
+    check.write_config()
+    figures = train(cfg, out, device, minutes=args.minutes, attention_backend=args.attention_backend,
+                    probe_steps=args.probe_steps)
+    atomic_write_json(out / "peer.json", figures)
+    return figures
 
 
 def main(argv=None) -> int:
@@ -338,7 +363,6 @@ def main(argv=None) -> int:
 
     prefer_passive_omp_wait()
     from specforge_core.drafts import check_config
-    from specforge_core.system.device import resolve_device
 
     args, check_args = parse_args(argv)
     try:
@@ -347,20 +371,16 @@ def main(argv=None) -> int:
         cfg = check.resolved_config()
         check_peer_config(cfg)
         out = Path(cfg.output.dir)
-        if (out / "peer.json").is_file():
-            raise ConfigError("this folder already holds a peer run", where=str(out / "peer.json"),
-                              fix="give a new output.dir, or delete the old one")
-        device = resolve_device(cfg.capture.device)
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError("SpecForge's loss is a Triton kernel with no CPU path; on the CPU only Triton's "
-                              "interpreter runs it", where="TRITON_INTERPRET",
-                              fix="start this script with TRITON_INTERPRET=1 in its environment (Triton reads "
-                                  "it when it is first imported), or give it a GPU (capture.device)")
-        import_specforge()
-        check.write_config()
-        figures = train(cfg, out, device, minutes=args.minutes, attention_backend=args.attention_backend,
-                        probe_steps=args.probe_steps)
-        atomic_write_json(out / "peer.json", figures)
+        if args.phase == "evaluate":
+            if not (out / "peer.json").is_file():
+                raise ConfigError("no peer run to evaluate in this folder", where=str(out / "peer.json"),
+                                  fix="run --phase train first with the same output.dir")
+            figures = json.loads((out / "peer.json").read_text())
+        else:
+            figures = train_phase(args, cfg, check, out)
+            if args.phase == "train":
+                print("RESULT " + json.dumps({"training": figures}), flush=True)
+                return 0
         heldout = check.evaluate_stage(draft=Path(figures["draft"]))["heldout"]
     except SpecForgeError as e:
         print(f"error: {e}", file=sys.stderr)

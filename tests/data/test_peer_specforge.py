@@ -110,6 +110,14 @@ def test_the_peer_refuses_the_cpu_without_tritons_interpreter(tiny_target_dir, t
     assert not (tmp_path / "peer" / "peer.json").exists()
 
 
+def test_the_peers_evaluate_phase_needs_its_train_phase_first(tiny_target_dir, tmp_path, capsys):
+    base = tiny_base(tmp_path, tiny_target_dir, "peer")
+    args = ["--config", str(base), "--data", str(tmp_path / "data"), *COUNTS, "--minutes", "0.05"]
+    code = peer.main([*args, "--phase", "evaluate"])
+    assert code == 2 and "run --phase train first" in capsys.readouterr().err
+    assert not (tmp_path / "peer" / "results.json").exists()
+
+
 @pytest.fixture(scope="module")
 def specforge():
     """``specforge`` 0.2.0 importable in this process (skips without it)."""

@@ -204,9 +204,11 @@ def test_the_gpu_minute_bench_runs_the_chain_per_family_and_gathers_the_figures(
     assert row["curve"] and (tmp_path / "out" / "quality.png").is_file() and not result["failed"]
 
 
-def test_the_gpu_minute_bench_runs_rows_on_one_gpu_one_after_the_other(tmp_path):
-    """Rows that name the same GPU never overlap and keep their order; rows on other devices start
-    without waiting for them. Each row's commands log when they start and end (a shared clock)."""
+def test_the_gpu_minute_bench_trains_rows_on_one_gpu_one_after_the_other_then_measures_them_together(tmp_path):
+    """Rows that name the same GPU never train at once and keep their order; their measurements
+    start once the last of them has trained, and run together; rows on other devices start without
+    waiting for them. Each command notes when it starts and ends (a shared clock); a waiting
+    command polls for another's note, for 20 s at most."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_quality", ROOT / "bench" / "gpu_quality.py")
@@ -214,24 +216,27 @@ def test_the_gpu_minute_bench_runs_rows_on_one_gpu_one_after_the_other(tmp_path)
     spec.loader.exec_module(bench)
     stamp = tmp_path / "stamps"
     stamp.mkdir()
-    release = tmp_path / "release"
 
-    def row(name: str, device: str, *, wait: bool = False, signal: bool = False) -> tuple:
-        """A row whose first command notes its start, waits for ``release`` (``wait``) or makes it
-        (``signal``), and notes its end; its second command stands for the benchmarks."""
-        waits = f"[time.sleep(0.05) for _ in range(400) if not r.exists()]; " if wait else ""
-        signals = "r.touch(); " if signal else ""
-        body = (f"import pathlib, time; d, r = pathlib.Path({str(stamp)!r}), pathlib.Path({str(release)!r}); "
-                f"(d / '{name}.start').write_text(str(time.monotonic_ns())); {waits}{signals}"
-                f"(d / '{name}.end').write_text(str(time.monotonic_ns()))")
-        return name, [[sys.executable, "-c", body], ["true"]], device, None
+    def note(name: str, *, wait_for: str | None = None) -> list[str]:
+        """A command that notes its start, waits until the note ``wait_for`` exists, notes its end."""
+        waits = (f"[time.sleep(0.05) for _ in range(400) if not (d / {wait_for!r}).exists()]; "
+                 f"(d / '{name}.saw').write_text(str((d / {wait_for!r}).exists())); ") if wait_for else ""
+        return [sys.executable, "-c", f"import pathlib, time; d = pathlib.Path({str(stamp)!r}); "
+                f"(d / '{name}.start').write_text(str(time.monotonic_ns())); {waits}"
+                f"(d / '{name}.end').write_text(str(time.monotonic_ns()))"]
 
-    codes = bench.run_rows([row("first", "0", wait=True), row("second", "0"), row("other", "1", signal=True)],
-                           tmp_path)
+    rows = [("first", [note("first", wait_for="other.start"), note("first-measure", wait_for="second-measure.start")],
+             "0", None),
+            ("second", [note("second"), note("second-measure")], "0", None),
+            ("other", [note("other"), note("other-measure")], "1", None)]
+    codes = bench.run_rows(rows, tmp_path)
     assert codes == {"first": 0, "second": 0, "other": 0}
-    t = {f.name: int(f.read_text()) for f in stamp.iterdir()}
-    assert t["first.end"] <= t["second.start"]  # one GPU: one after the other, in order
-    assert t["other.start"] < t["first.end"]  # another GPU: at once (the first row waited for it)
+    t = {f.name: int(f.read_text()) for f in stamp.iterdir() if not f.name.endswith(".saw")}
+    assert t["first.end"] <= t["second.start"]  # one GPU: trained one after the other, in order
+    assert t["second.end"] <= t["first-measure.start"]  # measured once the GPU's last row has trained
+    assert (stamp / "first-measure.saw").read_text() == "True"  # the two measurements ran together
+    assert (stamp / "first.saw").read_text() == "True"  # another GPU: at once (the first row waited for it)
+    assert all((tmp_path / name / "benchmarks.json").is_file() for name in ("first", "second", "other"))
 
 
 def test_a_family_flag_puts_that_familys_settings_before_the_given_overrides():
