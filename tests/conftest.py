@@ -49,8 +49,9 @@ LONGEST_FIRST = (
     "runtime/test_train_cli.py",
     "reliability/test_torn_checkpoint.py",
     "orchestration/test_flow.py",
+    "data/test_sharegpt_realcheck.py",
+    "data/test_peer_specforge.py",
     "reliability/test_one_run_per_output_dir.py",
-    "capture/test_sglang_islands.py",
 )
 
 

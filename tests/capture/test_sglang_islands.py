@@ -36,12 +36,8 @@ def _fix_masks(rows):
     return [{**r, "loss_mask": r["loss_mask"][: len(r["input_ids"])]} for r in rows]
 
 
-def _capture_worker(rank, model_dir, mismatched):
-    from specforge_core.system.distributed import close_distributed, init_distributed
-
-    d = init_distributed("cpu", timeout_s=60)
-    cfg = _config(model_dir)
-    topology = Topology.from_config(cfg, world_size=d.world_size)
+def _capture(rank, cfg, topology, mismatched):
+    """One capture pass over the plan on this rank: what it kept, or the CaptureError's message."""
     backend = build_capture_backend(cfg, rank=rank, topology=topology, engine_factory=FakeSGLangEngine.start)
     rows = _fix_masks(_rows())
     if mismatched and rank == 1:
@@ -56,13 +52,31 @@ def _capture_worker(rank, model_dir, mismatched):
         out = str(e)
     finally:
         backend.close()
-        close_distributed()
     return {"place": topology.place(rank), "batches": out, "calls": backend.engine.forward_calls}
 
 
+def _capture_worker(rank, model_dir):
+    """Both passes in one launch of the 4 ranks (starting them is most of the cost): the peers asked
+    for the same batches, then, with new engines, the peers of island 0 asked for different ones."""
+    from specforge_core.system.distributed import close_distributed, init_distributed
+
+    init_distributed("cpu", timeout_s=60)
+    cfg = _config(model_dir)
+    topology = Topology.from_config(cfg, world_size=4)
+    try:
+        return {"matched": _capture(rank, cfg, topology, False), "mismatched": _capture(rank, cfg, topology, True)}
+    finally:
+        close_distributed()
+
+
 @pytest.fixture(scope="module")
-def ranks(tiny_target_dir):
-    return run_ranks(_capture_worker, 4, str(tiny_target_dir), False, timeout_s=120)
+def launch(tiny_target_dir):
+    return run_ranks(_capture_worker, 4, str(tiny_target_dir), timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def ranks(launch):
+    return [r["matched"] for r in launch]
 
 
 def test_each_island_captures_its_own_shard_and_each_peer_keeps_disjoint_rows(ranks):
@@ -89,8 +103,8 @@ def test_what_each_rank_keeps_equals_the_hf_capture_of_the_same_rows(ranks, tiny
                 torch.testing.assert_close(b["aux"][i, : len(ids)], want, rtol=1e-4, atol=1e-4)
 
 
-def test_peers_asked_for_different_batches_fail_naming_the_digests(tiny_target_dir):
-    results = run_ranks(_capture_worker, 4, str(tiny_target_dir), True, timeout_s=120)
+def test_peers_asked_for_different_batches_fail_naming_the_digests(launch):
+    results = [r["mismatched"] for r in launch]
     island0 = [r["batches"] for r in results if r["place"].island == 0]
     assert all(isinstance(b, str) and "TP peers were asked to capture different batches" in b for b in island0)
     assert all(isinstance(r["batches"], list) for r in results if r["place"].island == 1)

@@ -1,5 +1,5 @@
 """The peer: bench/peer_specforge.py (SpecForge 0.2.0's EAGLE3 trainer on the real check's answers)
-and its row in bench/gpu_quality.py.
+and its row in bench/gpu_quality.py, beside our EAGLE3 row of the same run.
 
 The tests that run SpecForge import it from an installed ``specforge==0.2.0`` or from the wheel
 ``make install`` fetches into ``.cache/wheels`` (``fixtures/wheels.py``), and skips without either.
@@ -190,21 +190,43 @@ def test_the_probe_steps_change_no_weight(specforge, tiny_target_dir, tiny_token
     assert not torch.equal(draft.state_dict()["fc.weight"], before["fc.weight"])
 
 
-@pytest.mark.slow
-def test_the_peer_row_trains_specforge_and_our_evaluator_decodes_its_export(tiny_target_dir, tmp_path):
-    """gpu_quality.py --peer specforge on the CPU: our EAGLE3 row and the peer's, the same answers."""
-    path = SPECFORGE_PATH
-    if path is None:
-        pytest.skip(NO_SPECFORGE)
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory, tiny_target_dir):
+    """bench/gpu_quality.py on the CPU, once for the module (its runs are most of this file's time):
+    our EAGLE3 row and, where SpecForge 0.2.0 can be imported, the peer's row on a second device.
+    ``(out, done)``: the output directory and the finished process."""
+    tmp_path = tmp_path_factory.mktemp("gpu-quality")
     base = tiny_base(tmp_path, tiny_target_dir, "prep", heldout={"interval": 5, "num_prompts": 2, "max_new_tokens": 8})
     data = ["--config", str(base), "--data", str(tmp_path / "data"), *COUNTS]
     assert realcheck([*data, "--stages", "data,regenerate"]) == 0
+    with_peer = ["--peer", "specforge", "--gpus", "cpu,cpu"] if SPECFORGE_PATH is not None else ["--gpus", "cpu"]
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_quality.py"), *data, "--new-tokens", "8", "--minutes", "0.05",
-           "--families", "eagle3", "--peer", "specforge", "--gpus", "cpu,cpu", "--benchmarks", "mt-bench",
-           "--benchmark-limit", "1", "--out", str(tmp_path / "out")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), path]))}
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    out = tmp_path / "out"
+           "--families", "eagle3", *with_peer, "--benchmarks", "mt-bench", "--benchmark-limit", "1",
+           "--out", str(tmp_path / "out")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), SPECFORGE_PATH]))}
+    return tmp_path / "out", subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+
+
+@pytest.mark.slow
+def test_the_gpu_minute_bench_runs_the_chain_per_family_and_gathers_the_figures(bench_run):
+    """bench/gpu_quality.py on a CPU: one family on one device, its run, held-out and benchmark τ."""
+    out, done = bench_run
+    assert done.returncode == 0, done.stdout[-2000:] + (out / "eagle3.log").read_text()[-3000:]
+    result = json.loads((out / "quality.json").read_text())
+    [row] = result["families"]
+    run = json.loads((out / "eagle3" / "results.json").read_text())
+    assert row["family"] == "eagle3" and row["samples"] == run["training"]["samples"] > 0
+    assert row["heldout_acceptance_length"] == run["heldout"]["acceptance_length"] >= 1.0
+    assert set(row["benchmarks"]) == {"mt-bench"} and row["benchmarks"]["mt-bench"] >= 1.0
+    assert row["curve"] and (out / "quality.png").is_file() and not result["failed"]
+
+
+@pytest.mark.slow
+def test_the_peer_row_trains_specforge_and_our_evaluator_decodes_its_export(bench_run):
+    """gpu_quality.py --peer specforge on the CPU: our EAGLE3 row and the peer's, the same answers."""
+    if SPECFORGE_PATH is None:
+        pytest.skip(NO_SPECFORGE)
+    out, done = bench_run
     assert done.returncode == 0, done.stdout[-2000:] + (out / "peer.log").read_text()[-3000:]
     result = json.loads((out / "quality.json").read_text())
     [ours], theirs = result["families"], result["peer"]

@@ -184,26 +184,6 @@ def test_the_whole_chain_trains_on_a_budget_evaluates_and_reports(tiny_target_di
     assert (tmp_path / "run" / "eval-heldout.json").read_text() == before
 
 
-@pytest.mark.slow
-def test_the_gpu_minute_bench_runs_the_chain_per_family_and_gathers_the_figures(tiny_target_dir, tmp_path):
-    """bench/gpu_quality.py on a CPU: one family on one device, its run, held-out and benchmark τ."""
-    base = tiny_base(tmp_path, tiny_target_dir, "prep", heldout={"interval": 5, "num_prompts": 2, "max_new_tokens": 8})
-    counts = ["--answers", "4", "--answer-tokens", "8", "--validation-prompts", "2", "--heldout-prompts", "2"]
-    assert main(["--config", str(base), "--data", str(tmp_path / "data"), *counts, "--stages", "data,regenerate"]) == 0
-    cmd = [sys.executable, str(ROOT / "bench" / "gpu_quality.py"), "--config", str(base), "--data", str(tmp_path / "data"),
-           *counts, "--new-tokens", "8", "--minutes", "0.05", "--families", "eagle3", "--gpus", "cpu",
-           "--benchmarks", "mt-bench", "--benchmark-limit", "1", "--out", str(tmp_path / "out")]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stdout[-2000:] + (tmp_path / "out" / "eagle3.log").read_text()[-3000:]
-    result = json.loads((tmp_path / "out" / "quality.json").read_text())
-    [row] = result["families"]
-    run = json.loads((tmp_path / "out" / "eagle3" / "results.json").read_text())
-    assert row["family"] == "eagle3" and row["samples"] == run["training"]["samples"] > 0
-    assert row["heldout_acceptance_length"] == run["heldout"]["acceptance_length"] >= 1.0
-    assert set(row["benchmarks"]) == {"mt-bench"} and row["benchmarks"]["mt-bench"] >= 1.0
-    assert row["curve"] and (tmp_path / "out" / "quality.png").is_file() and not result["failed"]
-
-
 def test_the_gpu_minute_bench_trains_rows_on_one_gpu_one_after_the_other_then_measures_them_together(tmp_path):
     """Rows that name the same GPU never train at once and keep their order; their measurements
     start once the last of them has trained, and run together; rows on other devices start without

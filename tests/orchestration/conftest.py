@@ -15,12 +15,40 @@ def prefect_api():
 
     Result storage lives under the suite's temporary PREFECT_HOME (tests/conftest.py), so no dev
     cache leaks in. Started once: a per-test harness costs ~10 s each.
+
+    Flow-run heartbeats are off for the flows the tests run in this process: at its end a flow run
+    joins its heartbeat thread, which sleeps in whole seconds, so each run waited up to 1 s for it
+    (most of a cached run's time), and no test reads a heartbeat. That wait also hid that the API
+    records task runs after their flow run has ended: read them with ``recorded_task_runs``.
     """
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=90):
+    with prefect_test_harness(server_startup_timeout=90), \
+            temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield PREFECT_API_URL.value()
+
+
+def recorded_task_runs(flow_run_id, runs: int, timeout: float = 30) -> list:
+    """The flow run's task runs, oldest first, once the API holds ``runs`` of them, each in a final state.
+
+    The API records a task run from the events its flow run sent, a moment after the run has ended:
+    what this process still holds of them is sent first, then the API is polled."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()
+
+    def recorded():
+        with get_client(sync_client=True) as c:
+            found = c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+        if len(found) >= runs and all(r.state is not None and r.state.is_final() for r in found):
+            return [sorted(found, key=lambda r: r.expected_start_time)]  # truthy, also when empty
+        return None
+
+    [found] = wait_for(recorded, timeout, f"{runs} task runs of flow run {flow_run_id}, each in a final state")
+    return found
 
 
 def alive(pid: int) -> bool:

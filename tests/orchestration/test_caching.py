@@ -7,10 +7,9 @@ from pathlib import Path
 import cloudpickle
 import pytest
 from prefect import flow, task
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter
 
 from tasks.caching import StageOutput, run_cached, stage_cache
+from tests.orchestration.conftest import recorded_task_runs
 
 
 @task(**stage_cache("toy-stage"))
@@ -28,10 +27,8 @@ def toy_flow(out_dir: str, key: str) -> StageOutput:
     return run_cached(toy_stage, out_dir, key=key)
 
 
-def _task_states(flow_run_id) -> list[str]:
-    with get_client(sync_client=True) as c:
-        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-    return [r.state.name for r in sorted(runs, key=lambda r: r.expected_start_time)]
+def _task_states(flow_run_id, runs: int) -> list[str]:
+    return [r.state.name for r in recorded_task_runs(flow_run_id, runs)]
 
 
 def _builds(out_dir: Path) -> int:
@@ -46,7 +43,7 @@ def key() -> str:
 def test_second_flow_run_with_the_same_key_is_cached(prefect_api, tmp_path, key):
     toy_flow(str(tmp_path), key)
     state = toy_flow(str(tmp_path), key, return_state=True)
-    assert _task_states(state.state_details.flow_run_id) == ["Cached"]
+    assert _task_states(state.state_details.flow_run_id, 1) == ["Cached"]
     assert _builds(tmp_path) == 1
 
 
@@ -69,10 +66,10 @@ def test_a_cached_result_whose_file_is_gone_is_rebuilt(prefect_api, tmp_path, ke
     out = toy_flow(str(tmp_path), key)
     Path(out.path).unlink()
     state = toy_flow(str(tmp_path), key, return_state=True)
-    assert _task_states(state.state_details.flow_run_id) == ["Cached", "Completed"]
+    assert _task_states(state.state_details.flow_run_id, 2) == ["Cached", "Completed"]
     assert Path(out.path).read_text() == "built"
     third = toy_flow(str(tmp_path), key, return_state=True)
-    assert _task_states(third.state_details.flow_run_id) == ["Cached"]
+    assert _task_states(third.state_details.flow_run_id, 1) == ["Cached"]
     assert _builds(tmp_path) == 2
 
 
@@ -143,11 +140,11 @@ def test_a_planted_record_under_the_cache_key_is_never_decoded(prefect_api, tmp_
     pickled = cloudpickle.dumps(_Payload(tmp_path / "UNPICKLED"))
     _plant(record, serializer, base64.b64encode(pickled) if serializer["type"] == "pickle" else pickled)
     state = toy_flow(str(tmp_path), key, return_state=True)
-    assert _task_states(state.state_details.flow_run_id) == ["Completed"]
+    assert _task_states(state.state_details.flow_run_id, 1) == ["Completed"]
     assert not (tmp_path / "UNPICKLED").exists()
     assert json.loads(record.read_text())["serializer"]["type"] == "json"
     again = toy_flow(str(tmp_path), key, return_state=True)
-    assert _task_states(again.state_details.flow_run_id) == ["Cached"]
+    assert _task_states(again.state_details.flow_run_id, 1) == ["Cached"]
     assert _builds(tmp_path) == 1
 
 
@@ -164,7 +161,7 @@ def test_a_record_whose_result_lies_outside_the_result_storage_is_not_read(prefe
                                   "serializer": json.loads(JSONSerializer().model_dump_json()),
                                   "prefect_version": "3.9.1", "storage_block_id": None}))
     state = toy_flow(str(tmp_path), key, return_state=True)
-    assert _task_states(state.state_details.flow_run_id) == ["Completed"]
+    assert _task_states(state.state_details.flow_run_id, 1) == ["Completed"]
     assert state.result().path == str(tmp_path / f"{key}.txt")
 
 

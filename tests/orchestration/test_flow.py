@@ -9,7 +9,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, Fl
 
 from flows.colocated_train import colocated_train
 from specforge_core.config import RunConfig
-from tests.orchestration.conftest import tiny_config
+from tests.orchestration.conftest import recorded_task_runs, tiny_config
 
 STAGES = ["prepare_prompt_cache", "build_vocab_map", "record_plan", "train", "validate"]
 
@@ -20,11 +20,9 @@ def _run(config: dict):
     return state.state_details.flow_run_id, state.result()
 
 
-def _task_states(flow_run_id) -> dict[str, list[str]]:
-    with get_client(sync_client=True) as c:
-        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+def _task_states(flow_run_id, runs: int = len(STAGES)) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    for r in sorted(runs, key=lambda r: r.expected_start_time):
+    for r in recorded_task_runs(flow_run_id, runs):
         out.setdefault(r.name.rsplit("-", 1)[0], []).append(r.state.name)
     return out
 
