@@ -24,8 +24,9 @@ setting each family trains with is the real check's ``--family``), one process o
 
 Rows that name the same GPU train one after the other, each with the GPU to itself (``--gpus
 0,0,0,0,0`` on a one-GPU machine); their measurements wait until that GPU's last row has trained
-and then run all at once (decoding needs no timing, and an idle GPU holds them all), so one GPU
-takes the rows' training minutes plus about one measurement, not one per row.
+and then run all at once (decoding needs no timing; a small target's decoders, SmolLM2's, share
+an idle GPU easily), so one GPU takes the rows' training minutes plus about one measurement, not
+one per row.
 
 ``--peer specforge`` adds one row on the last device of ``--gpus``: ``bench/peer_specforge.py
 --phase train`` trains SpecForge 0.2.0's EAGLE3 draft with its own training loop on the same answers
@@ -93,9 +94,9 @@ def peer_commands(args, out: Path) -> list[list[str]]:
 
 
 def start_phase(name: str, commands: list[list[str]], device: str, out: Path, env: dict | None = None,
-                *, benchmarks: bool = False) -> subprocess.Popen:
+                *, last_stdout_to: str | None = None) -> subprocess.Popen:
     """Start ``commands`` one after the other on ``device``, in the background, appending to the row's
-    log (``env``: more variables); with ``benchmarks`` the last one's output is ``benchmarks.json``."""
+    log (``env``: more variables); ``last_stdout_to``: a file in ``out`` for the last one's output."""
     out.mkdir(parents=True, exist_ok=True)
     # the project first, then whatever the caller's PYTHONPATH adds (the peer's wheel, say)
     env = {**os.environ, **(env or {}),
@@ -103,8 +104,8 @@ def start_phase(name: str, commands: list[list[str]], device: str, out: Path, en
     if device != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = device
     parts = [shlex.join(c) for c in commands]
-    if benchmarks:
-        parts[-1] += f" > {shlex.quote(str(out / 'benchmarks.json'))}"
+    if last_stdout_to:
+        parts[-1] += f" > {shlex.quote(str(out / last_stdout_to))}"
     with open(out.parent / f"{name}.log", "a") as log:  # the child keeps its own descriptor
         return subprocess.Popen(["bash", "-c", " && ".join(parts)], cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -121,20 +122,25 @@ def run_rows(rows: list[tuple], out: Path) -> dict[str, int]:
         name, _, device, _ = row
         queues.setdefault(device if device != "cpu" else f"cpu-{name}", []).append(row)
 
+    def start(name: str, *args, **kwargs) -> subprocess.Popen | None:
+        try:
+            return start_phase(name, *args, **kwargs)
+        except OSError as e:  # the phase could not start: a failed row, the others go on
+            with open(out / f"{name}.log", "a") as log:
+                log.write(f"could not start: {type(e).__name__}: {e}\n")
+            return None
+
     def run_queue(queue: list[tuple]) -> dict[str, int]:
-        codes, trained = {}, []
+        codes, measuring = {}, {}
         for name, commands, device, env in queue:
             (out / f"{name}.log").unlink(missing_ok=True)
-            try:
-                codes[name] = start_phase(name, commands[:1], device, out / name, env=env).wait()
-            except OSError as e:  # the row could not start: a failed row, the others go on
-                (out / f"{name}.log").write_text(f"could not start: {type(e).__name__}: {e}\n")
-                codes[name] = -1
+            proc = start(name, commands[:1], device, out / name, env=env)
+            codes[name] = proc.wait() if proc else -1
+        for name, commands, device, env in queue:  # a row whose training failed measures nothing
             if codes[name] == 0:
-                trained.append((name, commands, device, env))
-        measuring = {name: start_phase(name, commands[1:], device, out / name, env=env, benchmarks=True)
-                     for name, commands, device, env in trained}
-        return {**codes, **{name: proc.wait() for name, proc in measuring.items()}}
+                measuring[name] = start(name, commands[1:], device, out / name, env=env,
+                                        last_stdout_to="benchmarks.json")
+        return {**codes, **{name: proc.wait() if proc else -1 for name, proc in measuring.items()}}
 
     with ThreadPoolExecutor(max_workers=len(queues)) as pool:
         done = list(pool.map(run_queue, queues.values()))

@@ -208,9 +208,11 @@ def test_the_gpu_minute_bench_trains_rows_on_one_gpu_one_after_the_other_then_me
     rows = [("first", [note("first", wait_for="other.start"), note("first-measure", wait_for="second-measure.start")],
              "0", None),
             ("second", [note("second"), note("second-measure")], "0", None),
+            ("failing", [[sys.executable, "-c", "raise SystemExit(3)"], note("failing-measure")], "0", None),
             ("other", [note("other"), note("other-measure")], "1", None)]
     codes = bench.run_rows(rows, tmp_path)
-    assert codes == {"first": 0, "second": 0, "other": 0}
+    assert codes == {"first": 0, "second": 0, "failing": 3, "other": 0}
+    assert not (stamp / "failing-measure.start").exists()  # a row whose training failed measures nothing
     t = {f.name: int(f.read_text()) for f in stamp.iterdir() if not f.name.endswith(".saw")}
     assert t["first.end"] <= t["second.start"]  # one GPU: trained one after the other, in order
     assert t["second.end"] <= t["first-measure.start"]  # measured once the GPU's last row has trained
