@@ -20,9 +20,10 @@ answer token they part. Why they part: the target in float32 reads each parted p
 reference's answer, and at the parting token gives its top-2 logit gap, which engine's token it
 picks, and the share of that answer's other tokens whose gap is smaller. In bf16 two engines'
 kernels round differently, and one near-tied argmax is enough to send the rest of an answer
-elsewhere: partings at small gaps, on both engines' side alike, are that. ``--reference-dtype
-float32`` answers the sample in float32 instead (on a CPU too, with the SGLang answers already in
-``DIR``: nothing is left for SGLang to answer, so no engine starts). Prints ``RESULT {json}`` and
+elsewhere: partings at small gaps, with the float32 pick on either engine's side, are that.
+``--reference-dtype float32`` answers the sample in float32 instead (on a CPU too, with the SGLang
+answers to all of ``--prompts`` already in ``DIR``, no engine starts); against a float32
+reference the pick is the reference's by construction, and the gaps alone speak. Prints ``RESULT {json}`` and
 writes ``DIR/regenerate.json`` (the answers stay in ``DIR``).
 """
 
@@ -35,13 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def conversations(path: Path) -> dict[str, list[dict]]:
+def rows_by_id(path: Path) -> dict[str, dict]:
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    return {row["id"]: row["conversations"] for row in rows}
+    return {row["id"]: row for row in rows}
 
 
 def answers(path: Path) -> dict[str, str]:
-    return {key: turns[-1]["content"] for key, turns in conversations(path).items()}
+    return {key: row["conversations"][-1]["content"] for key, row in rows_by_id(path).items()}
 
 
 def compare_answers(tok, ours: dict[str, str], reference: dict[str, str]) -> dict:
@@ -61,29 +62,30 @@ def compare_answers(tok, ours: dict[str, str], reference: dict[str, str]) -> dic
             "first_difference_at_tokens": [p["at"] for p in partings], "partings": partings}
 
 
-def parting_margins(cfg, rows: dict[str, list[dict]], partings: list[dict], device: str) -> dict:
+def parting_margins(cfg, rows: dict[str, dict], partings: list[dict]) -> dict:
     """The float32 target at each parting (``compare_answers``' records, updated in place): its
     top-2 logit gap there, whose token it picks (``ours``, ``reference`` or ``neither``), and the
-    share of the reference answer's tokens with a smaller gap; ``rows`` are the reference's rows."""
+    share of the reference answer's tokens with a smaller gap; ``rows`` are the reference's rows.
+    The target is ``cfg``'s, on ``capture.device``. Its pick tells the engines apart only where
+    the reference is not itself float32 greedy (then it picks the reference by construction)."""
     import statistics
 
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from specforge_core.data.tokenize import ChatRenderer, load_tokenizer
+    from specforge_core.data.tokenize import ChatRenderer
+    from specforge_core.decoding.verifier import load_target
 
-    tok = load_tokenizer(cfg)
-    renderer = ChatRenderer(tok, template_kwargs=cfg.data.chat_template_kwargs)  # as regenerate renders
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=torch.float32).to(device).eval()
-    for p in partings:
-        turns = rows[p["id"]]
-        prompt = tok(renderer.render(turns[:-1], None, add_generation_prompt=True),
+    weighable = [p for p in partings if p["ours_token"] is not None and p["reference_token"] is not None]
+    if weighable:  # one answer being the other's start leaves no token to weigh
+        model, tok = load_target(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})}))
+        renderer = ChatRenderer(tok, template_kwargs=cfg.data.chat_template_kwargs)  # as regenerate renders
+    for p in weighable:
+        row = rows[p["id"]]
+        prompt = tok(renderer.render(row["conversations"][:-1], row.get("tools"), add_generation_prompt=True),
                      add_special_tokens=False)["input_ids"]
-        answer = tok(turns[-1]["content"], add_special_tokens=False)["input_ids"]
-        if p["ours_token"] is None or p["reference_token"] is None:
-            continue  # one answer is the other's start: no token to weigh
+        answer = tok(row["conversations"][-1]["content"], add_special_tokens=False)["input_ids"]
         with torch.no_grad():
-            ids = torch.tensor([prompt + answer], device=device)
+            ids = torch.tensor([prompt + answer], device=model.device)
             logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(answer) - 1].float()
         top = logits.topk(2, dim=-1)
         gaps = top.values[:, 0] - top.values[:, 1]
@@ -93,11 +95,12 @@ def parting_margins(cfg, rows: dict[str, list[dict]], partings: list[dict], devi
                  else "neither",
                  smaller_gaps_share=round(float((gaps < gaps[p["at"]]).float().mean()), 3),
                  answer_median_gap=round(float(gaps.median()), 4))
-    weighed = [p for p in partings if "fp32_gap" in p]
-    picks = [p["fp32_picks"] for p in weighed]
-    return {"weighed": len(weighed), "median_gap_at_parting": statistics.median([p["fp32_gap"] for p in weighed])
-            if weighed else None,
-            "median_gap_in_answers": statistics.median([p["answer_median_gap"] for p in weighed]) if weighed else None,
+    picks = [p["fp32_picks"] for p in weighable]
+    return {"weighed": len(weighable),
+            "median_gap_at_parting": statistics.median([p["fp32_gap"] for p in weighable]) if weighable else None,
+            "median_gap_in_answers": statistics.median([p["answer_median_gap"] for p in weighable])
+            if weighable else None,
+            "in_lowest_5pct_of_their_answer": sum(p["smaller_gaps_share"] <= 0.05 for p in weighable),
             "fp32_picks": {k: picks.count(k) for k in ("ours", "reference", "neither")}}
 
 
@@ -109,7 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", type=int, default=64, help="prompts answered by hf too, to compare")
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=1024, help="prompts per SGLang call (and per write)")
-    ap.add_argument("--reference-dtype", help="the sample's dtype in transformers (default: the config's)")
+    ap.add_argument("--reference-dtype", choices=["float32", "bfloat16", "float16"],
+                    help="the sample's dtype in transformers (default: the config's model.dtype)")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
                         limit=args.sample, engine="hf")
     print("hf " + json.dumps(hf_run), flush=True)
     greedy = compare_answers(load_tokenizer(cfg), answers(out / "answers-sglang.jsonl"), answers(reference))
-    greedy["why"] = parting_margins(cfg, conversations(reference), greedy["partings"], cfg.capture.device)
+    greedy["why"] = parting_margins(cfg, rows_by_id(reference), greedy["partings"])
     result = {"sglang": sglang_run, "hf": {**hf_run, "dtype": dtype}, "greedy": greedy}
     print("RESULT " + json.dumps(result), flush=True)
     (out / "regenerate.json").write_text(json.dumps(result, indent=1))

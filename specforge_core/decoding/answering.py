@@ -186,10 +186,16 @@ def regenerate(cfg, out: Path, *, files: list[str] | None = None, batch_size: in
             continue
         rendered.append((row_id, turns, tools, ids))
     rendered.sort(key=lambda r: len(r[3]))  # similar lengths per batch: less padding
-    if not rendered:  # all answered already: no model or engine to start
-        return {"out": str(out), "engine": engine, "written": 0, "already_written": len(done),
-                "skipped_too_long": too_long, "skipped_bad_rows": bad, "answer_tokens": 0,
-                "ended_on_end_of_turn": 0, "seconds": 0.0, "tokens_per_s": None}
+
+    def summary(written: int, tokens: int, stopped: int, seconds: float) -> dict:
+        return {"out": str(out), "engine": engine, "written": written, "already_written": len(done),
+                "skipped_too_long": too_long, "skipped_bad_rows": bad, "answer_tokens": tokens,
+                "ended_on_end_of_turn": stopped, "seconds": round(seconds, 2),
+                "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None}
+
+    if not rendered:  # nothing left to answer: no model or engine to start
+        out.touch()
+        return summary(0, 0, 0, 0.0)
     answer, close, stops = getattr(_Answerers, engine)(cfg, tok, renderer.end_of_turn, seed + len(done),
                                                        engine_factory)
     written = tokens = stopped = 0
@@ -212,8 +218,4 @@ def regenerate(cfg, out: Path, *, files: list[str] | None = None, batch_size: in
                 f.flush()
     finally:
         close()
-    seconds = time.perf_counter() - start
-    return {"out": str(out), "engine": engine, "written": written, "already_written": len(done), "skipped_too_long": too_long,
-            "skipped_bad_rows": bad,
-            "answer_tokens": tokens, "ended_on_end_of_turn": stopped, "seconds": round(seconds, 2),
-            "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None}
+    return summary(written, tokens, stopped, time.perf_counter() - start)

@@ -165,6 +165,7 @@ def test_the_sglang_engine_writes_the_same_greedy_answers_as_hf(cfg, tmp_path):
     again = regenerate(cfg, sglang, batch_size=4, max_new_tokens=12, engine="sglang", engine_factory=start)
     assert again["written"] == 0 and again["already_written"] == len(QUESTIONS)  # resumable as hf is
     assert len(engines) == 1  # nothing left to answer: no engine is started for it
+    assert again.keys() == result.keys()
 
 
 def test_without_sglang_installed_the_sglang_engine_is_refused_naming_the_option(cfg, tmp_path):
@@ -207,12 +208,18 @@ def test_the_regeneration_bench_weighs_each_parting_with_the_float32_target(cfg,
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) + 1]  # predicts answer token 2
-    first, second = logits.topk(2).indices.tolist()
+    first, second, third = logits.topk(3).indices.tolist()
     partings = [{"id": "a", "at": 2, "ours_token": first, "reference_token": second},
                 {"id": "a", "at": 2, "ours_token": second, "reference_token": first},
+                {"id": "a", "at": 2, "ours_token": second, "reference_token": third},
                 {"id": "a", "at": 2, "ours_token": second, "reference_token": None}]  # one answer ended there
-    why = bench.parting_margins(cfg, {"a": row["conversations"]}, partings, "cpu")
-    assert [p.get("fp32_picks") for p in partings] == ["ours", "reference", None]
+    why = bench.parting_margins(cfg, {"a": row}, partings)
+    assert [p.get("fp32_picks") for p in partings] == ["ours", "reference", "neither", None]
     gap = float(logits.topk(2).values[0] - logits.topk(2).values[1])
-    assert partings[0]["fp32_gap"] == pytest.approx(gap, abs=1e-4) and 0 <= partings[0]["smaller_gaps_share"] <= 1
-    assert why["weighed"] == 2 and why["fp32_picks"] == {"ours": 1, "reference": 1, "neither": 0}
+    assert all(p["fp32_gap"] == pytest.approx(gap, abs=1e-4) for p in partings[:3])
+    with torch.no_grad():  # every answer position's gap, for the share below this one's
+        all_logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+    gaps = all_logits.topk(2).values[:, 0] - all_logits.topk(2).values[:, 1]
+    assert partings[0]["smaller_gaps_share"] == pytest.approx(float((gaps < gaps[2]).float().mean()), abs=1e-3)
+    assert why["weighed"] == 3 and why["fp32_picks"] == {"ours": 1, "reference": 1, "neither": 1}
+    assert why["median_gap_at_parting"] == pytest.approx(gap, abs=1e-4)
