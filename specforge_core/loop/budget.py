@@ -8,7 +8,9 @@
 
 What the clock counts: wall time inside the training loop (captures, forward, backward, optimizer
 updates and every wait between them) plus what the checkpoint it resumed from had counted. Not
-counted: start-up (target load, prompt cache, resume), checkpoint saves and held-out decodes. So a
+counted: start-up (target load, prompt cache, resume, and a fresh run's first optimizer step,
+which compiles with ``training.compile`` and warms the kernels: minutes on a GPU, the same for
+any budget), checkpoint saves and held-out decodes. Its samples are trained and counted. So a
 process trains for the budget and lives for budget + start-up + saves + held-out decodes + at
 most one optimizer step.
 

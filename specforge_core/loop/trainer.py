@@ -292,11 +292,16 @@ class Trainer:
             return
         stream = self.open_stream(self.consumed_samples)
         t = self.cfg.training
-        self.clock.start()
+        warming = self.step == 0  # a fresh run's first step compiles and warms the kernels: start-up
+        if not warming:
+            self.clock.start()
         self.last_save_at = self.wall_clock()
         try:
             while True:
                 self._optimizer_step(stream)
+                if warming:
+                    self.clock.start()
+                    warming = False
                 self.step += 1
                 last = self.step == self.total_steps or self.budget_spent()
                 decode = bool(self.heldout_interval) and (last or self.step % self.heldout_interval == 0)

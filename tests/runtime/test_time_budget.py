@@ -145,12 +145,16 @@ def test_a_budgeted_run_stops_at_the_first_step_that_spends_the_budget(budget_ru
 def test_the_learning_rate_follows_the_budget_spent_not_the_steps(budget_run):
     rows = records(budget_run[0])
     assert [r["lr"] for r in rows] == pytest.approx(expected_lrs(rows, 3.0), rel=1e-9, abs=1e-12)
-    assert rows[0]["lr"] == 0.0 and max(r["lr"] for r in rows) > 0.9 * PEAK and rows[-1]["lr"] < 0.05 * PEAK
+    lrs = [r["lr"] for r in rows]
+    top = lrs.index(max(lrs))
+    assert lrs[0] == 0.0 and lrs[top] > 0.9 * PEAK and lrs[top:] == sorted(lrs[top:], reverse=True)
+    assert lrs[-1] < 0.15 * PEAK  # the last update runs at the progress the one before it recorded: 2.5 of 3 s
 
 
 def test_records_and_checkpoints_carry_the_budget_spent(budget_run):
     run_dir, _ = budget_run
     by_step = {r["step"]: r for r in records(run_dir)}
+    assert by_step[1]["train_seconds"] == 0.0 < by_step[2]["train_seconds"]  # the first step is start-up
     for ckpt in complete_checkpoints(run_dir)[-3:]:
         state = read_train_state(ckpt)
         assert state["train_seconds"] == by_step[state["step"]]["train_seconds"]
