@@ -36,6 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def in_dtype(cfg, dtype: str):
+    """``cfg`` with its target loaded in ``dtype``."""
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})})
+
+
 def rows_by_id(path: Path) -> dict[str, dict]:
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     return {row["id"]: row for row in rows}
@@ -77,7 +82,7 @@ def parting_margins(cfg, rows: dict[str, dict], partings: list[dict]) -> dict:
 
     weighable = [p for p in partings if p["ours_token"] is not None and p["reference_token"] is not None]
     if weighable:  # one answer being the other's start leaves no token to weigh
-        model, tok = load_target(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})}))
+        model, tok = load_target(in_dtype(cfg, "float32"))
         renderer = ChatRenderer(tok, template_kwargs=cfg.data.chat_template_kwargs)  # as regenerate renders
     for p in weighable:
         row = rows[p["id"]]
@@ -131,9 +136,8 @@ def main(argv=None) -> int:
     print("sglang " + json.dumps(sglang_run), flush=True)
     dtype = args.reference_dtype or cfg.model.dtype
     reference = out / f"answers-hf-{dtype}.jsonl"
-    hf_run = regenerate(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})}), reference,
-                        files=[args.prompts], batch_size=32, max_new_tokens=args.answer_tokens,
-                        limit=args.sample, engine="hf")
+    hf_run = regenerate(in_dtype(cfg, dtype), reference, files=[args.prompts], batch_size=32,
+                        max_new_tokens=args.answer_tokens, limit=args.sample, engine="hf")
     print("hf " + json.dumps(hf_run), flush=True)
     greedy = compare_answers(load_tokenizer(cfg), answers(out / "answers-sglang.jsonl"), answers(reference))
     greedy["why"] = parting_margins(cfg, rows_by_id(reference), greedy["partings"])

@@ -44,18 +44,18 @@ def recorded_task_runs(flow_run_id, runs: int, timeout: float = 30) -> list:
 
     EventsWorker.drain_all()
 
-    def recorded():
+    def read() -> list:
         with get_client(sync_client=True) as c:
             found = c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-        if len(found) >= runs and all(r.state is not None and r.state.is_final() for r in found):
-            return [sorted(found, key=lambda r: r.expected_start_time)]  # truthy, also when empty
-        return None
+        return sorted(found, key=lambda r: r.expected_start_time)
+
+    def recorded() -> bool:
+        found = read()
+        return len(found) >= runs and all(r.state is not None and r.state.is_final() for r in found)
 
     wait_for(recorded, timeout, f"{runs} task runs of flow run {flow_run_id}, each in a final state")
     time.sleep(0.5)
-    with get_client(sync_client=True) as c:
-        found = c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-    return sorted(found, key=lambda r: r.expected_start_time)
+    return read()
 
 
 def alive(pid: int) -> bool:
