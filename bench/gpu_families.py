@@ -519,7 +519,9 @@ def run_side(args, family: str, side: str, work: Path) -> dict:
     if done.returncode != 0:
         return {"error": f"exit {done.returncode}: " + done.stderr[-3000:]}
     result = json.loads((work / f"{side}.json").read_text()) | {"process_s": round(time.perf_counter() - t, 1)}
-    print(f"{family} {side}: {result['process_s']} s", file=sys.stderr, flush=True)
+    # the side's figures as soon as it ends, so that a run cut short keeps the sides it finished
+    print(f"{family} {side}: step {result['step_s']:.4f} s, process {result['process_s']} s", file=sys.stderr,
+          flush=True)
     return result
 
 

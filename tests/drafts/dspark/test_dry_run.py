@@ -7,8 +7,8 @@ from tests.runtime.test_dry_run import ROOT, TARGET_CONFIGS, recipe_args, run_dr
 
 
 def test_dry_run_sizes_a_dspark_draft(targets, capsys):  # noqa: F811
-    recipe = ROOT / "examples" / "gpu" / "qwen3-8b-1gpu.yaml"
-    args = recipe_args(recipe, targets, "draft.family=dspark", "draft.dspark.num_layers=1")
+    recipe = ROOT / "examples" / "gpu" / "qwen3-8b-1gpu.yaml"  # the H200 recipe: sized for its card, on any machine
+    args = ["--gpu-gib", "140", *recipe_args(recipe, targets, "draft.family=dspark", "draft.dspark.num_layers=1")]
     code, lines, err = run_dry(capsys, "--rows", "1000", *args)
     assert code == 0, err
     report = json.loads(lines[-1])
