@@ -1,17 +1,20 @@
 """The draft a GPU-minute buys: every family trained for the same minutes on the same answers, one GPU each, at once.
 
     python bench/gpu_quality.py --config examples/sharegpt-realcheck-gpu.yaml --data .cache/sharegpt \
-        --answers 20000 --prompt-turns all --minutes 8 --gpus 0,1,2,3,4 --out DIR     # one GPU per family
+        --answers 20000 --prompt-turns all --regen-engine sglang --minutes 8 --gpus 0,1,2,3,4 \
+        --out DIR                             # SGLang answers the prompts first; then one GPU per family
     PYTHONPATH=/tmp/site python bench/gpu_quality.py --config examples/sharegpt-realcheck-gpu.yaml \
         --data .cache/sharegpt --answers 20000 --prompt-turns all --minutes 8 --gpus 0,1,2,3,4,5 \
         --peer specforge --out DIR                                  # and the peer, SpecForge 0.2.0, on GPU 5
     python bench/gpu_quality.py --config examples/sharegpt-realcheck.yaml --data .cache/sharegpt-smoke \
         --answers 8 --minutes 0.5 --gpus cpu,cpu --families eagle3,dflash --benchmark-limit 2 --out DIR   # CPU smoke
 
-``DATA`` holds what ``scripts/sharegpt_realcheck.py --stages data,regenerate`` made with the same
-``--answers``, ``--prompt-turns``, ``--answer-tokens`` and prompt counts (the prompts of each split
-and the pool of the target's answers; ``--prompt-turns all`` for more than ≈ 7,000),
-made beforehand on the GPU (``--regen-engine sglang``) or carried. Per family (``--families``; the
+``DATA`` holds what ``scripts/sharegpt_realcheck.py --stages data`` made with the same
+``--answers``, ``--prompt-turns`` and prompt counts (the prompts of each split; ``--prompt-turns
+all`` for more than ≈ 7,000), and the target's answers: made beforehand by its ``regenerate``
+stage, or first by this script with ``--regen-engine`` (``sglang`` on the GPU, ``--regen-batch-size
+512``), which runs that stage before any row starts and adds its figures (answers written, tokens/s)
+to ``quality.json`` under ``regenerate``; answers already in the pool are not made again. Per family (``--families``; the
 setting each family trains with is the real check's ``--family``), one process on one device of ``--gpus``
 (``CUDA_VISIBLE_DEVICES``; ``cpu`` for a CPU), all at once. Each row trains, then measures:
 
@@ -93,14 +96,38 @@ def peer_commands(args, out: Path) -> list[list[str]]:
     return [[*peer, "--phase", "train"], [*peer, "--phase", "evaluate"], benchmark_command(args, out, out / "draft")]
 
 
+def child_env(extra: dict | None = None) -> dict:
+    """A child's environment: ours, ``extra``, and on ``PYTHONPATH`` the project first, then
+    whatever the caller's PYTHONPATH adds (the peer's wheel, say)."""
+    return {**os.environ, **(extra or {}),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def regenerate(args, out: Path) -> dict:
+    """The real check's ``regenerate`` stage over ``DATA`` with ``--regen-engine``: the target answers
+    the train prompts that have no answer yet. Returns the stage's JSON line; raises RuntimeError,
+    naming its log, when it fails."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "sharegpt_realcheck.py"), *check_flags(args), "--stages",
+           "regenerate", "--regen-engine", args.regen_engine, "--regen-batch-size", str(args.regen_batch_size),
+           f"output.dir={out / 'regenerate'}", *args.overrides]
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "regenerate.log"
+    with open(log, "w") as f:
+        done = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=f, text=True)
+    stage_lines = [line for line in done.stdout.splitlines() if line.startswith('{"stage": "regenerate"')]
+    with open(log, "a") as f:
+        f.write(done.stdout)
+    if done.returncode != 0 or not stage_lines:
+        raise RuntimeError(f"the regenerate stage failed (exit {done.returncode}): see {log}")
+    return json.loads(stage_lines[-1])
+
+
 def start_phase(name: str, commands: list[list[str]], device: str, out: Path, env: dict | None = None,
                 *, last_stdout_to: str | None = None) -> subprocess.Popen:
     """Start ``commands`` one after the other on ``device``, in the background, appending to the row's
     log (``env``: more variables); ``last_stdout_to``: a file in ``out`` for the last one's output."""
     out.mkdir(parents=True, exist_ok=True)
-    # the project first, then whatever the caller's PYTHONPATH adds (the peer's wheel, say)
-    env = {**os.environ, **(env or {}),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = child_env(env)
     if device != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = device
     parts = [shlex.join(c) for c in commands]
@@ -221,6 +248,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", required=True, help="one device per family, then the peer's: CUDA indices or cpu")
     ap.add_argument("--minutes", type=float, default=8.0, help="training minutes per family")
     ap.add_argument("--answer-tokens", type=int, default=128, help="as the data was made (the real check's flags)")
+    ap.add_argument("--regen-engine", choices=["hf", "sglang"],
+                    help="make the answers first with this engine (the real check's regenerate stage)")
+    ap.add_argument("--regen-batch-size", type=int, default=512, help="prompts per call of --regen-engine")
     ap.add_argument("--validation-prompts", type=int, default=32, help="as the data was made")
     ap.add_argument("--heldout-prompts", type=int, default=64, help="as the data was made")
     ap.add_argument("--benchmarks", default="mt-bench,humaneval")
@@ -240,6 +270,13 @@ def main(argv=None) -> int:
         ap.error("--peer compares against our EAGLE3 row: add eagle3 to --families")
     out = Path(args.out).resolve()
     t0 = time.monotonic()
+    made = None
+    if args.regen_engine:
+        try:
+            made = regenerate(args, out)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     names = {f: f for f in families}
     rows_to_run = [(f, family_commands(args, f, out / f), d, None) for f, d in zip(families, devices)]
     if args.peer:
@@ -261,6 +298,8 @@ def main(argv=None) -> int:
     result = {"config": args.config, "overrides": args.overrides, "answers": args.answers, "minutes": args.minutes,
               "devices": dict(zip(row_names, devices)), "seconds": round(time.monotonic() - t0, 1),
               "families": rows, "failed": failed}
+    if made is not None:
+        result["regenerate"] = made
     if args.peer:
         result["peer"] = peer and {**peer, "trainer": json.loads((out / PEER_ROW / "peer.json").read_text())}
         result["ours_over_peer"] = ours_over_peer(figures["eagle3"], peer) if peer and "eagle3" in figures else None

