@@ -58,6 +58,15 @@ def recorded_task_runs(flow_run_id, runs: int, timeout: float = 30) -> list:
     return read()
 
 
+def states_by_stage(runs) -> dict[str, list[str]]:
+    """Stage name → the states of its task runs, in the order of ``runs`` (a rebuilt stage, or a
+    retried flow run, has two): a task run is named ``<stage>-<suffix>``."""
+    out: dict[str, list[str]] = {}
+    for r in runs:
+        out.setdefault(r.name.rsplit("-", 1)[0], []).append(r.state.name)
+    return out
+
+
 def alive(pid: int) -> bool:
     """True if ``pid`` runs. A zombie counts as dead: on this machine PID 1 does not reap orphans,
     so a killed, re-parented rank stays in the table as ``Z`` although it is gone."""

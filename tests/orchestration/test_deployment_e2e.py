@@ -24,7 +24,7 @@ from specforge_core.loop.checkpoint import latest_checkpoint
 from tasks.process_group import tree_members
 from specforge_core.run.directory import RunDir
 from tasks.train_stage import run_dir_for
-from tests.orchestration.conftest import alive, tiny_config, wait_for
+from tests.orchestration.conftest import alive, states_by_stage, tiny_config, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -68,11 +68,8 @@ def _wait_state(client, flow_run_id, names: set[str], timeout: float = 300):
 
 def _task_states(client, flow_run_id) -> dict[str, list[str]]:
     """Stage name → the states of its task runs, oldest first (a retried flow run has two each)."""
-    out: dict[str, list[str]] = {}
     runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-    for r in sorted(runs, key=lambda r: r.expected_start_time):
-        out.setdefault(r.name.rsplit("-", 1)[0], []).append(r.state.name)
-    return out
+    return states_by_stage(sorted(runs, key=lambda r: r.expected_start_time))
 
 
 def _logs(client, flow_run_id) -> list[str]:

@@ -9,7 +9,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, Fl
 
 from flows.colocated_train import colocated_train
 from specforge_core.config import RunConfig
-from tests.orchestration.conftest import recorded_task_runs, tiny_config
+from tests.orchestration.conftest import recorded_task_runs, states_by_stage, tiny_config
 
 STAGES = ["prepare_prompt_cache", "build_vocab_map", "record_plan", "train", "validate"]
 
@@ -21,10 +21,7 @@ def _run(config: dict):
 
 
 def _task_states(flow_run_id, runs: int = len(STAGES)) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for r in recorded_task_runs(flow_run_id, runs):
-        out.setdefault(r.name.rsplit("-", 1)[0], []).append(r.state.name)
-    return out
+    return states_by_stage(recorded_task_runs(flow_run_id, runs))
 
 
 def _artifact(key: str, flow_run_id):

@@ -11,7 +11,7 @@ from specforge_core.config import RunConfig
 from specforge_core.run.plan import PromptPlan
 from tasks.caching import run_cached
 from tasks.data_stages import build_vocab_map, plan_key, prepare_prompt_cache, record_plan, stage_keys
-from tests.orchestration.conftest import recorded_task_runs, tiny_config
+from tests.orchestration.conftest import recorded_task_runs, states_by_stage, tiny_config
 
 
 @flow
@@ -28,10 +28,7 @@ def _run(config: dict, runs: int = 3) -> tuple[dict, dict[str, list[str]]]:
     """The flow's result and its ``runs`` task runs' states by stage (a rebuilt stage runs twice)."""
     state = data_stages(RunConfig.model_validate(config), return_state=True)
     assert state.is_completed(), state.message
-    states: dict[str, list[str]] = {}
-    for r in recorded_task_runs(state.state_details.flow_run_id, runs):
-        states.setdefault(r.name.rsplit("-", 1)[0], []).append(r.state.name)
-    return state.result(), states
+    return state.result(), states_by_stage(recorded_task_runs(state.state_details.flow_run_id, runs))
 
 
 @pytest.fixture
