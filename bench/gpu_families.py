@@ -72,7 +72,8 @@ CPU, in fp32) is what shows both sides step the same computation. Every family p
 that runs out of ``--side-timeout`` reports the tail of its progress lines (one per warmup step).
 ``BENCH_PROFILE=FILE`` with ``--side`` writes the timed steps' profiler table (CUDA time) to FILE
 (a folder instead of FILE, with or without ``--side``: one file per family and side in it;
-``BENCH_PROFILE_SORT=self_cpu_time_total`` sorts it by the host's time instead);
+``BENCH_PROFILE_SORT=self_cpu_time_total`` sorts it by the host's time instead; a FILE ending in
+``.json`` gets the profiler's timeline as a Chrome trace instead of the table);
 ``BENCH_SYNC_DEBUG=FILE`` (CUDA) one more step after the timed ones under
 ``torch.cuda.set_sync_debug_mode("warn")``, and writes to FILE each call site that made the host
 wait for the device, with its count (a step that waits leaves the GPU idle while it refills).
@@ -176,7 +177,8 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
     times = []
     profile = os.environ.get("BENCH_PROFILE")  # a path: the timed steps' CUDA-time table goes there
     kinds = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    tracing = torch.profiler.profile(activities=kinds) if profile else contextlib.nullcontext()
+    tracing = (torch.profiler.profile(activities=kinds, with_stack=profile.endswith(".json")) if profile
+               else contextlib.nullcontext())
     with tracing:
         for _ in range(steps):
             if cuda:
@@ -191,7 +193,9 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
                 loss = step(first is None)
                 times.append(time.perf_counter() - t)
             first = first or loss
-    if profile:
+    if profile and profile.endswith(".json"):  # the timeline, for where the device idles
+        tracing.export_chrome_trace(profile)
+    elif profile:
         order = os.environ.get("BENCH_PROFILE_SORT") or ("self_device_time_total" if cuda else "self_cpu_time_total")
         Path(profile).write_text(tracing.key_averages().table(sort_by=order, row_limit=40, max_name_column_width=90))
     if cuda and os.environ.get("BENCH_SYNC_DEBUG"):
