@@ -126,23 +126,63 @@ class DraftOptimizer:
                 "micro-batches: only whole optimizer steps are trained"
             )
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # the sum of every shard's squares: the global norm
+        norm = self._global_norm(grads)
         if grad_scale is not None:
             norm = norm * grad_scale
         # clip_grad_norm_'s coefficient, kept on the device: min(1, max / (norm + 1e-6))
         multiplier = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         if grad_scale is not None:
             multiplier = multiplier * grad_scale
-        if self.fused:
+        lr = self.scheduler.get_last_lr()[0]
+        if self.fused and self.optimizer.state:
             # the fused kernel divides each gradient by ``grad_scale`` as it reads it: no extra pass
+            self._fused_step_on_shards(multiplier.reciprocal())
+        elif self.fused:  # the first step makes AdamW's state (as DTensors, like the parameters)
             self.optimizer.grad_scale = multiplier.reciprocal()
+            self.optimizer.step()
+            del self.optimizer.grad_scale
         else:
             torch._foreach_mul_(grads, multiplier)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.micro_batches = 0
         return {"grad_norm": norm.detach(), "lr": float(lr)}
+
+    @torch.no_grad()
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of all gradients over every rank's shards (a 0-dim tensor on the device),
+        from the local shards: the squares' sum is all-reduced over the mesh once."""
+        local = [_local(g) for g in grads]
+        squares = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local)).float()) ** 2
+        if any(isinstance(g, DTensor) for g in grads):
+            mesh = next(g for g in grads if isinstance(g, DTensor)).device_mesh
+            if mesh.size() > 1:
+                torch.distributed.all_reduce(squares, group=mesh.get_group())
+        return squares.sqrt()
+
+    @torch.no_grad()
+    def _fused_step_on_shards(self, grad_scale: torch.Tensor) -> None:
+        """AdamW's fused update, as ``optimizer.step()`` makes it, on the local shards of the
+        parameters, gradients and state: the same tensors' storage, without DTensor's dispatch of
+        every list op. The optimizer's ``state`` and ``param_groups`` stay the public record
+        (checkpoints map them to parameter names)."""
+        from torch.optim.adam import adam
+
+        for group in self.optimizer.param_groups:
+            owned = [p for p in group["params"] if p.grad is not None]
+            if not owned:
+                continue
+            state = [self.optimizer.state[p] for p in owned]
+            beta1, beta2 = group["betas"]
+            adam([_local(p) for p in owned], [_local(p.grad) for p in owned],
+                 [_local(s["exp_avg"]) for s in state], [_local(s["exp_avg_sq"]) for s in state], [],
+                 [s["step"] for s in state], fused=True, grad_scale=grad_scale, decoupled_weight_decay=True,
+                 amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                 eps=group["eps"], maximize=False)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage, outside autograd: call under no_grad); any
+    other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
