@@ -30,7 +30,7 @@ from tests.runtime.harness import TinyDraft, TinyStep, run_ranks, tiny_batch, wr
 CONTRACT = {"seed": 42, "world_size": 2, "plan": {"batch_size": 2, "accumulation_steps": 1}}
 
 
-def _build(d):
+def _build(d, fused=None):
     torch.manual_seed(0)
     draft = TinyDraft()
     root = shard(TinyStep(draft), d)
@@ -43,6 +43,7 @@ def _build(d):
         total_steps=10,
         warmup_ratio=0.2,
         lr_scheduler="cosine",
+        fused=fused,
     )
     return draft, root, opt
 
@@ -70,9 +71,9 @@ def _save(run_dir, d, draft, opt, step, keep=2):
     )
 
 
-def _save_load_worker(rank, run_dir):
+def _save_load_worker(rank, run_dir, fused=None):
     d = init_distributed("cpu", timeout_s=30)
-    draft, root, opt = _build(d)
+    draft, root, opt = _build(d, fused)
     for s in range(4):
         _train_step(d, root, opt, s)
         if s >= 1:
@@ -82,7 +83,7 @@ def _save_load_worker(rank, run_dir):
     _train_step(d, root, opt, 4)
     continued = _full(draft)
 
-    draft2, root2, opt2 = _build(d)
+    draft2, root2, opt2 = _build(d, fused)
     ckpt = latest_checkpoint(run_dir)
     state = load_checkpoint(ckpt, d, draft=draft2, optimizer=opt2.optimizer, scheduler=opt2.scheduler)
     rand_after_load = torch.rand(3)
@@ -152,6 +153,12 @@ def test_load_restores_the_exact_weights_on_every_rank(saved):
 def test_training_after_load_is_bit_identical_to_training_on(saved):
     _, results = saved
     assert [r["resumed_equals_continued"] for r in results] == [True, True]
+
+
+def test_fused_adamw_trains_on_after_load_bit_identically(tmp_path):
+    # the CUDA default: the fused update runs on the local shards of the state the load restored
+    results = run_ranks(_save_load_worker, 2, str(tmp_path), True)
+    assert [(r["loaded_equals_saved"], r["resumed_equals_continued"]) for r in results] == [(True, True)] * 2
 
 
 def test_load_restores_each_ranks_rng(saved):
