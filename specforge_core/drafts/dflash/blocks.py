@@ -92,6 +92,20 @@ def build_blocks(
                         None if host is None else layout[-1])
 
 
+def pick_anchors(keys: torch.Tensor, cand: torch.Tensor, num_anchors: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's anchors: of its candidate positions (``cand [ns, width]``), the
+    ``num_anchors`` of smallest ``keys [ns, width]`` (values in [0, 1); ties to the lower
+    position), all where there are fewer. Returns ``(sample, position)`` of every anchor, by
+    sample then position. One k-th value per sample instead of sorting every key."""
+    keys = keys.masked_fill(~cand, 2.0)  # above every candidate's key
+    n_keep = min(num_anchors, keys.shape[1])
+    kth = keys.kthvalue(n_keep, dim=1, keepdim=True).values
+    below, tied = keys < kth, keys == kth
+    room = n_keep - below.sum(1, keepdim=True)  # how many of the tied keys are among the n_keep smallest
+    chosen = (below | (tied & (tied.cumsum(1) <= room))) & cand
+    return torch.nonzero(chosen, as_tuple=True)
+
+
 def _anchor_layout(attention_mask, loss_mask, seq_ids, position_ids, *, block_size: int, num_anchors: int,
                    generator: torch.Generator | None) -> list[torch.Tensor]:
     """``[ctx_sample, ctx_pos, sample, anchor_col, anchor_pos, keep, valid]`` of
@@ -108,13 +122,7 @@ def _anchor_layout(attention_mask, loss_mask, seq_ids, position_ids, *, block_si
     keys = torch.full((len(lengths), width), 2.0, device=device)
     keys[inside] = _sample_keys(lengths, generator, device)
     cand = F.pad(lm_grid[:, :-1] & lm_grid[:, 1:], (0, 1))
-    keys = keys.masked_fill(~cand, 2.0)
-    n_keep = min(num_anchors, width)
-    order = keys.argsort(dim=1, stable=True)[:, :n_keep]
-    taken = torch.arange(n_keep, device=device) < cand.sum(1).clamp(max=num_anchors)[:, None]
-    chosen = torch.where(taken, order, width).sort(dim=1).values
-    s_idx, j_idx = torch.nonzero(chosen < width, as_tuple=True)  # kept anchors, by sample then position
-    a_pos = chosen[s_idx, j_idx]
+    s_idx, a_pos = pick_anchors(keys, cand, num_anchors)
     a_row, a_col = s_row[s_idx], s_start[s_idx] + a_pos
     by_row = torch.argsort(a_row * t + a_col, stable=True)
     s_idx, a_pos, a_row, a_col = s_idx[by_row], a_pos[by_row], a_row[by_row], a_col[by_row]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specforge_core.drafts.dflash.inputs import anchor_generator
-from specforge_core.drafts.dflash.blocks import build_blocks
+from specforge_core.drafts.dflash.blocks import build_blocks, pick_anchors
 from specforge_core.drafts.dflash.objective import dflash_loss, summarize_dflash_metrics
 from specforge_core.errors import ConfigError, ModelError
 from tests.drafts.dflash.fixtures import (
@@ -165,6 +165,20 @@ def test_packed_and_unpacked_rows_draw_the_same_anchors_per_sample():
         cands = [p for p in range(len(lm) - 1) if lm[p] and lm[p + 1]]
         assert got.get(s, []) == sorted(got.get(s, [])) and set(got.get(s, [])) <= set(cands)
         assert len(got.get(s, [])) == min(3, len(cands))
+
+
+@pytest.mark.parametrize("num_anchors", [1, 5, 12, 40])
+def test_anchors_are_the_smallest_keys_of_the_candidates_ties_to_the_lower_position(num_anchors):
+    # keys on a grid of 4 values: most keys tie, and the n-th smallest is usually one of a tie
+    g = torch.Generator().manual_seed(num_anchors)
+    keys = torch.randint(0, 4, (6, 30), generator=g).float() / 4
+    cand = torch.rand(6, 30, generator=g) < 0.6
+    cand[2] = False  # a sample without candidates: no anchor
+    s_idx, a_pos = pick_anchors(keys, cand, num_anchors)
+    got = list(zip(s_idx.tolist(), a_pos.tolist()))
+    want = [(s, p) for s in range(6) for p in sorted(sorted((p for p in range(30) if cand[s, p]),
+                                                            key=lambda p: (float(keys[s, p]), p))[:num_anchors])]
+    assert got == want
 
 
 def with_host_masks(batch):
