@@ -3,7 +3,7 @@ out per row, and what each block query may attend to.
 
     blocks = build_blocks(batch, block_size=16, num_anchors=512, mask_token_id=m, generator=g)
     masks = dense_masks(blocks, draft.layer_types, draft.sliding_window)   # sdpa: [b, Q, T+Q] per layer type
-    visible(blocks, b, q, kv, window)                                      # the predicate (flex: fast/flex_blocks.py)
+    visible(blocks, b, q, kv, window, StreamIndex.of(blocks))             # the predicate (flex: fast/flex_blocks.py)
 
 The rules (anchors, blocks, mask) are the first half of the objective's math, stated in
 ``objective.py``'s docstring. :func:`build_blocks` lays the anchors out from the capture's host
@@ -149,21 +149,43 @@ def _anchor_layout(attention_mask, loss_mask, seq_ids, position_ids, *, block_si
     return [ctx_sample, ctx_pos, sample, anchor_col, anchor_pos, keep, valid]
 
 
-def visible(blocks: DFlashBlocks, b, q, kv, window: int | None) -> torch.Tensor:
+@dataclass(frozen=True)
+class StreamIndex:
+    """Each block-stream query's block ``q // B`` and slot ``q % B``, and each key's block
+    ``(kv - T) // B`` (-1 on the context) and slot, as tables read by index: a compiled mask
+    builder then loads them instead of dividing symbolic indices (which inductor could not
+    simplify)."""
+
+    query_block: torch.Tensor  # [Q]
+    query_slot: torch.Tensor  # [Q]
+    key_block: torch.Tensor  # [T+Q]
+    key_slot: torch.Tensor  # [T+Q]
+
+    @classmethod
+    def of(cls, blocks: DFlashBlocks) -> "StreamIndex":
+        size, t = blocks.block_size, blocks.ctx_len
+        q = torch.arange(blocks.keep.shape[1] * size, device=blocks.keep.device)
+        d = torch.arange(t + q.numel(), device=q.device) - t
+        return cls(q // size, q % size, torch.where(d >= 0, d.clamp(min=0) // size, -1), d.clamp(min=0) % size)
+
+
+def visible(blocks: DFlashBlocks, b, q, kv, window: int | None, index: StreamIndex | None = None) -> torch.Tensor:
     """The mask predicate for row ``b``, query ``q`` (block stream) and key ``kv`` (context
     ``[0,T)``, then the block stream): broadcasting tensors for the dense mask, or the scalar
-    indices of a flex ``mask_mod``. ``window``: the sliding window, None for full attention."""
-    size, t = blocks.block_size, blocks.ctx_len
-    j = (q // size).clamp(max=blocks.keep.shape[1] - 1)
-    o = q % size
+    indices of a flex ``mask_mod``. ``window``: the sliding window, None for full attention;
+    ``index``: ``StreamIndex.of(blocks)``, made here when not given."""
+    index = StreamIndex.of(blocks) if index is None else index
+    t = blocks.ctx_len
+    q = q.clamp(max=index.query_block.numel() - 1)
     c = kv.clamp(max=t - 1)
+    j, o = index.query_block[q], index.query_slot[q]
     key_pos, anchor = blocks.ctx_pos[b, c], blocks.anchor_pos[b, j]
     ctx_ok = (kv < t) & (blocks.ctx_sample[b, c] == blocks.sample[b, j]) & (key_pos < anchor)
-    d = (kv - t).clamp(min=0)
-    blk_ok = (kv >= t) & (d // size == j)
+    k = kv.clamp(max=index.key_block.numel() - 1)
+    blk_ok = (kv >= t) & (index.key_block[k] == j)
     if window is not None:
         ctx_ok = ctx_ok & (key_pos >= anchor + o - (window - 1))
-        blk_ok = blk_ok & (d % size <= o)
+        blk_ok = blk_ok & (index.key_slot[k] <= o)
     return ctx_ok | blk_ok
 
 
@@ -179,4 +201,5 @@ def dense_masks(blocks: DFlashBlocks, layer_types, sliding_window: int | None) -
     rows = torch.arange(b, device=device)[:, None, None]
     q = torch.arange(q_len, device=device)[None, :, None]
     kv = torch.arange(blocks.ctx_len + q_len, device=device)[None, None, :]
-    return {lt: visible(blocks, rows, q, kv, window_of(lt, sliding_window)) for lt in set(layer_types)}
+    index = StreamIndex.of(blocks)
+    return {lt: visible(blocks, rows, q, kv, window_of(lt, sliding_window), index) for lt in set(layer_types)}

@@ -61,16 +61,21 @@ def pad_for_flex(blocks, aux_hidden: torch.Tensor, mask_token_id: int, multiple:
 
 def flex_attend(blocks, predicate, windows: dict):
     """An ``attend`` running flex attention over ``blocks``' queries and keys (its context, then
-    its block stream) with a block mask per layer type: ``predicate(blocks, b, q, kv, window)``
-    (``blocks.visible``) under each layer type's sliding window, ``windows[layer_type]``
-    (None: full attention)."""
+    its block stream) with a block mask per layer type: ``predicate(blocks, b, q, kv, window,
+    index)`` (``blocks.visible``, ``index`` a ``blocks.StreamIndex``) under each layer type's
+    sliding window, ``windows[layer_type]`` (None: full attention)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from specforge_core.drafts.dflash.blocks import StreamIndex
 
     b, nb = blocks.keep.shape
     q_len = nb * blocks.block_size
     device = blocks.keep.device
-    masks = {lt: create_block_mask(_mask_mod(predicate, blocks, window), B=b, H=None, Q_LEN=q_len,
-                                   KV_LEN=blocks.ctx_len + q_len, device=device)
+    index = StreamIndex.of(blocks)
+    # compiled on CUDA: the predicate is evaluated tile by tile into the block mask, never as a
+    # dense [Q, T+Q] grid (eager evaluation materialises it and its int64 copy)
+    masks = {lt: create_block_mask(_mask_mod(predicate, blocks, window, index), B=b, H=None, Q_LEN=q_len,
+                                   KV_LEN=blocks.ctx_len + q_len, device=device, _compile=device.type == "cuda")
              for lt, window in windows.items()}
     fn = _flex() if device.type == "cuda" else flex_attention
 
@@ -83,10 +88,10 @@ def flex_attend(blocks, predicate, windows: dict):
     return attend
 
 
-def _mask_mod(predicate, blocks, window: int | None):
+def _mask_mod(predicate, blocks, window: int | None, index=None):
     # exactly four positional parameters: flex tells a mask_mod from a score_mod by their count
     def mask_mod(b, h, q, kv):
-        return predicate(blocks, b, q, kv, window)
+        return predicate(blocks, b, q, kv, window, index)
 
     return mask_mod
 

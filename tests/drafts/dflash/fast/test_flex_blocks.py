@@ -5,9 +5,9 @@ adds keys no real query sees."""
 import pytest
 import torch
 
-from specforge_core.drafts.dflash.fast.flex_blocks import flex_attend, pad_for_flex
+from specforge_core.drafts.dflash.fast.flex_blocks import _mask_mod, flex_attend, pad_for_flex
 from specforge_core.drafts.dflash.model import dense_attend
-from specforge_core.drafts.dflash.blocks import build_blocks, dense_masks, visible
+from specforge_core.drafts.dflash.blocks import StreamIndex, build_blocks, dense_masks, visible
 from tests.drafts.dflash.fixtures import MASK, packed_batch, random_samples
 
 BLOCK, WINDOW, LAYERS = 4, 5, ("sliding_attention", "full_attention")
@@ -42,6 +42,26 @@ def test_flex_equals_sdpa_under_the_dense_masks_on_the_cpu():
     with torch.no_grad():
         for layer_type in LAYERS:
             torch.testing.assert_close(flex(layer_type, q, k, v), dense(layer_type, q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_the_compiled_block_mask_builder_gives_the_dense_masks_tiles(window):
+    # CUDA builds the mask compiled (tile by tile, no dense grid); the CPU can compile it too
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _, padded, _ = _padded_blocks()
+    b, nb = padded.keep.shape
+    q_len = nb * BLOCK
+    sizes = dict(B=b, H=None, Q_LEN=q_len, KV_LEN=padded.ctx_len + q_len, device="cpu", BLOCK_SIZE=8)
+    mask_mod = _mask_mod(visible, padded, window, StreamIndex.of(padded))
+    compiled = create_block_mask(mask_mod, _compile=True, **sizes)
+    dense = dense_masks(padded, ["sliding_attention" if window else "full_attention"], window)
+    want = next(iter(dense.values()))[:, None]  # [b, 1, Q, T+Q]
+    # the block mask holds a tile of 8 queries × 8 keys where some key of it is visible to some query
+    tiles = want.unflatten(2, (-1, 8)).unflatten(4, (-1, 8)).any(dim=(3, 5))
+    assert tiles.any() and not tiles.all()
+    assert torch.equal(compiled.to_dense().bool(), tiles)
+    assert torch.equal(compiled.to_dense(), create_block_mask(mask_mod, **sizes).to_dense())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flex attention backward)")
