@@ -37,8 +37,9 @@ MASK_BYTES_PER_ELEMENT = 10  # the bool mask and the int64 copy its tile sums ma
 
 def block_mask_bytes(cfg, *, num_anchors: int, block_size: int, tokens: int, samples: int) -> int:
     """The transient of building the flex block mask of a micro-step of at most ``tokens`` tokens
-    in ``samples`` samples (``fast/flex_blocks.py``, the attention ``auto`` picks on CUDA): torch's
-    ``create_block_mask`` evaluates the predicate into a dense bool ``[rows, Q, T + Q]`` (Q block
+    in ``samples`` samples (``fast/flex_blocks.py``, the attention ``auto`` picks on CUDA), built
+    eagerly: an upper bound for the compiled build CUDA runs, which keeps no dense grid. Eager,
+    torch's ``create_block_mask`` evaluates the predicate into a dense bool ``[rows, Q, T + Q]`` (Q block
     queries and T context tokens of a row, both padded to flex's 128) and sums its tiles through
     an int64 copy, 10 bytes an element. It grows with the square of the anchors in one row: packed
     (``training.token_budget``), the worst row holds ``min(tokens, token_budget)`` tokens and every
