@@ -134,10 +134,11 @@ class DraftOptimizer:
         if grad_scale is not None:
             multiplier = multiplier * grad_scale
         lr = self.scheduler.get_last_lr()[0]
-        if self.fused and self.optimizer.state:
+        has_state = all(p in self.optimizer.state for p in self.params if p.grad is not None)
+        if self.fused and has_state:
             # the fused kernel divides each gradient by ``grad_scale`` as it reads it: no extra pass
             self._fused_step_on_shards(multiplier.reciprocal())
-        elif self.fused:  # the first step makes AdamW's state (as DTensors, like the parameters)
+        elif self.fused:  # a first update makes AdamW's state (as DTensors, like the parameters)
             self.optimizer.grad_scale = multiplier.reciprocal()
             self.optimizer.step()
             del self.optimizer.grad_scale

@@ -146,3 +146,27 @@ def test_sharded_parameters_are_dtensors_on_the_run_mesh(world_of_one):
     draft, _, _ = _build(world_of_one, accumulation=1)
     assert isinstance(draft.fc.weight, DTensor)
     assert draft.fc.weight.device_mesh == world_of_one.mesh
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_b):
+        return (self.a(x) + (self.b(x) if use_b else 0)).square().sum()
+
+
+def test_fused_adamw_updates_a_parameter_whose_first_gradient_comes_late(world_of_one):
+    # a parameter without a gradient on the first update has no AdamW state yet: the next update
+    # that reaches it must make that state (as optimizer.step does), not assume it
+    torch.manual_seed(0)
+    root = shard(_TwoHeads(), world_of_one)
+    opt = DraftOptimizer(root, accumulation_steps=1, total_steps=STEPS, fused=True, **HYPER)
+    x = torch.randn(3, 4)
+    for use_b in (False, True, True):
+        before = root.b.weight.to_local().detach().clone()
+        opt.backward(root(x, use_b))
+        opt.step()
+        assert torch.equal(root.b.weight.to_local(), before) != use_b
+    assert set(opt.optimizer.state) == {p for p in root.parameters()}
