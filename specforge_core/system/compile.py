@@ -8,7 +8,8 @@
 
 Three kinds of code are compiled, all only with ``training.compile`` on CUDA (the EAGLE3 objective
 hands it to each :func:`fused` call as an argument; flex attention, the EAGLE3 draft's attention in fp32 and DFlash's, is
-compiled always, it has no fast eager path):
+compiled always, it has no fast eager path, and so is the building of its block masks, whose eager
+form materialises the dense mask):
 
 - the target's decoder layers, each as one region (:func:`compile_target`: RoPE, the residual
   adds and norms, the MLP's SiLU × up fused around the matmuls and the packed attention);
@@ -23,7 +24,8 @@ compiled always, it has no fast eager path):
   element-wise operations each that read their inputs once and gather as they read; compiled
   with the row counts symbolic and the model's sizes constant (:func:`rows_dynamic`).
 
-Without ``training.compile`` a run compiles nothing but flex attention where it uses it; with it
+Without ``training.compile`` a run compiles nothing but flex attention and its block masks where it
+uses them; with it
 the first step waits for the compile, whose graphs are cached in the run directory
 (:func:`compile_cache`) for a resumed run, and the steps after it are faster. Start time and
 tokens/s either way: docs/performance.md, "Cold start and ``training.compile``".

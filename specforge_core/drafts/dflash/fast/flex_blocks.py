@@ -11,6 +11,7 @@ exists and fully masked tiles are skipped; both give the same output
 """
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -64,7 +65,7 @@ def flex_attend(blocks, predicate, windows: dict):
     its block stream) with a block mask per layer type: ``predicate(blocks, b, q, kv, window,
     index)`` (``blocks.visible``, ``index`` a ``blocks.StreamIndex``) under each layer type's
     sliding window, ``windows[layer_type]`` (None: full attention)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     from specforge_core.drafts.dflash.blocks import StreamIndex
 
@@ -72,10 +73,8 @@ def flex_attend(blocks, predicate, windows: dict):
     q_len = nb * blocks.block_size
     device = blocks.keep.device
     index = StreamIndex.of(blocks)
-    # compiled on CUDA: the predicate is evaluated tile by tile into the block mask, never as a
-    # dense [Q, T+Q] grid (eager evaluation materialises it and its int64 copy)
-    masks = {lt: create_block_mask(_mask_mod(predicate, blocks, window, index), B=b, H=None, Q_LEN=q_len,
-                                   KV_LEN=blocks.ctx_len + q_len, device=device, _compile=device.type == "cuda")
+    masks = {lt: build_block_mask(_mask_mod(predicate, blocks, window, index), compiled=device.type == "cuda",
+                                  B=b, H=None, Q_LEN=q_len, KV_LEN=blocks.ctx_len + q_len, device=device)
              for lt, window in windows.items()}
     fn = _flex() if device.type == "cuda" else flex_attention
 
@@ -86,6 +85,34 @@ def flex_attend(blocks, predicate, windows: dict):
         return fn(q, k, v, block_mask=masks[layer_type], scale=q.shape[-1] ** -0.5, enable_gqa=True)
 
     return attend
+
+
+_EAGER_MASKS: set = set()  # devices whose compiled mask build failed in this process
+_compiled_mask_builder = None
+
+
+def build_block_mask(mask_mod, *, compiled: bool, **sizes):
+    """flex's block mask of ``mask_mod`` (``sizes``: ``create_block_mask``'s B, H, Q_LEN, KV_LEN,
+    device). ``compiled`` (the CUDA default): inductor evaluates the predicate tile by tile and
+    no dense ``[Q, KV]`` grid exists; eager evaluation materialises that grid and an int64 copy.
+    Where the compiled build fails (what inductor accepts differs between torch versions) the
+    eager build makes the same mask: a warning says so, and this process builds eagerly on that
+    device from then on."""
+    global _compiled_mask_builder
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    device = str(torch.device(sizes["device"]).type)
+    if compiled and device not in _EAGER_MASKS:
+        if _compiled_mask_builder is None:
+            _compiled_mask_builder = torch.compile(create_block_mask)
+        try:
+            return _compiled_mask_builder(mask_mod, **sizes)
+        except Exception as failed:  # noqa: BLE001  (torch.compile raises many kinds)
+            _EAGER_MASKS.add(device)
+            warnings.warn(f"the compiled flex block mask build failed ({type(failed).__name__}: "
+                          f"{str(failed).splitlines()[0][:200]}); building masks eagerly, which costs "
+                          "memory for a dense [Q, T+Q] grid", RuntimeWarning, stacklevel=2)
+    return create_block_mask(mask_mod, **sizes)
 
 
 def _mask_mod(predicate, blocks, window: int | None, index=None):
