@@ -1,10 +1,11 @@
 """``torch.compile`` where it pays in the training step, and where its caches live.
 
-    from specforge_core.system.compile import compile_pointwise, compile_target, fused, compile_cache
+    from specforge_core.system.compile import build_block_mask, compile_pointwise, compile_target, fused, compile_cache
     compile_target(target.model)         # the hf backend does this with training.compile on CUDA
     compile_pointwise(draft)             # python -m specforge_core.train does this likewise
     loss = fused(fn, logits.device, compile)(logits, ...)   # the EAGLE3 unroll's memory-bound passes
     with compile_cache(run_dir / "compile-cache"): ...   # train.py: a resumed run reuses the graphs
+    mask = build_block_mask(mask_mod, compiled=q.is_cuda, B=b, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=d)
 
 Three kinds of code are compiled, all only with ``training.compile`` on CUDA (the EAGLE3 objective
 hands it to each :func:`fused` call as an argument; flex attention, the EAGLE3 draft's attention in fp32 and DFlash's, is
@@ -33,6 +34,7 @@ tokens/s either way: docs/performance.md, "Cold start and ``training.compile``".
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -157,3 +159,31 @@ def compile_cache(path: str | Path):
         yield Path(os.environ[CACHE_ENV])
     finally:
         os.environ.pop(CACHE_ENV, None)
+
+
+_EAGER_MASKS: set = set()  # devices whose compiled mask build failed in this process
+_compiled_mask_builder = None
+
+
+def build_block_mask(mask_mod, *, compiled: bool, **sizes):
+    """flex's block mask of ``mask_mod`` (``sizes``: ``create_block_mask``'s B, H, Q_LEN, KV_LEN,
+    device, BLOCK_SIZE). ``compiled`` (the CUDA default): inductor evaluates the predicate tile by tile and
+    no dense ``[Q, KV]`` grid exists; eager evaluation materialises that grid and an int64 copy.
+    Where the compiled build fails (what inductor accepts differs between torch versions) the
+    eager build makes the same mask: a warning says so, and this process builds eagerly on that
+    device from then on."""
+    global _compiled_mask_builder
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    device = str(torch.device(sizes["device"]).type)
+    if compiled and device not in _EAGER_MASKS:
+        if _compiled_mask_builder is None:
+            _compiled_mask_builder = torch.compile(create_block_mask)
+        try:
+            return _compiled_mask_builder(mask_mod, **sizes)
+        except Exception as failed:  # noqa: BLE001  (torch.compile raises many kinds)
+            _EAGER_MASKS.add(device)
+            warnings.warn(f"the compiled flex block mask build failed ({type(failed).__name__}: "
+                          f"{str(failed).splitlines()[0][:200]}); building masks eagerly, which costs "
+                          "memory for a dense [Q, KV] grid", RuntimeWarning, stacklevel=2)
+    return create_block_mask(mask_mod, **sizes)

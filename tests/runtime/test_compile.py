@@ -1,9 +1,11 @@
 """system/compile.py: which passes torch.compile takes (training.compile) and where its caches go."""
 
 import os
+import warnings
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 from specforge_core.config import load_config
 from specforge_core.system import compile as comp
@@ -127,3 +129,21 @@ def test_a_cache_directory_the_user_set_wins(tmp_path, monkeypatch):
     with comp.compile_cache(tmp_path / "run" / "compile-cache") as where:
         assert where == tmp_path / "mine" and os.environ[comp.CACHE_ENV] == str(tmp_path / "mine")
     assert os.environ[comp.CACHE_ENV] == str(tmp_path / "mine")
+
+
+def test_a_mask_inductor_cannot_compile_is_built_eagerly_with_a_warning(monkeypatch):
+    # integer division of a clamped symbolic index: what torch 2.13's inductor cannot simplify
+    monkeypatch.setattr(comp, "_EAGER_MASKS", set())
+
+    def by_division(b, h, q, kv):
+        return (kv - 32).clamp(min=0) // 8 == q // 8
+
+    sizes = dict(B=1, H=None, Q_LEN=64, KV_LEN=96, device="cpu", BLOCK_SIZE=8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = comp.build_block_mask(by_division, compiled=True, **sizes)
+    assert torch.equal(got.to_dense(), create_block_mask(by_division, **sizes).to_dense())
+    fell_back = [w for w in seen if "building masks eagerly" in str(w.message)]
+    if not fell_back:
+        pytest.skip("this torch's inductor compiles the predicate: no failure to fall back from")
+    assert fell_back[0].category is RuntimeWarning and comp._EAGER_MASKS == {"cpu"}

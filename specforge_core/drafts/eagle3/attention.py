@@ -34,12 +34,12 @@ elsewhere.
 """
 
 import torch
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from specforge_core.drafts.eagle3.flash import MergedOutput, SampleSpans, step_zero_flash
 from specforge_core.drafts.eagle3.rows import take_rows
 from specforge_core.errors import ConfigError
-from specforge_core.system.compile import fused
+from specforge_core.system.compile import build_block_mask, fused
 
 BACKENDS = ("auto", "sdpa", "flex", "flash")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -136,8 +136,8 @@ class TTTAttention:
                 return (ki <= qi) & (seq[bi, ki] == seq[bi, qi]) & (real[bi, ki] | (ki == qi))
 
             # compiled on CUDA: eagerly its mask_mod runs as dozens of small launches over [B, T, T]
-            self._block_mask = create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=real.device,
-                                                 _compile=real.is_cuda)
+            self._block_mask = build_block_mask(mask_mod, compiled=real.is_cuda, B=b, H=None, Q_LEN=t, KV_LEN=t,
+                                                device=real.device)
         return self._block_mask
 
     def __call__(

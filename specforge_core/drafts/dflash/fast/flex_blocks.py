@@ -11,11 +11,11 @@ exists and fully masked tiles are skipped; both give the same output
 """
 
 import dataclasses
-import warnings
 
 import torch
 
 from specforge_core.errors import ConfigError
+from specforge_core.system.compile import build_block_mask
 
 _compiled_flex = None
 
@@ -85,34 +85,6 @@ def flex_attend(blocks, predicate, windows: dict):
         return fn(q, k, v, block_mask=masks[layer_type], scale=q.shape[-1] ** -0.5, enable_gqa=True)
 
     return attend
-
-
-_EAGER_MASKS: set = set()  # devices whose compiled mask build failed in this process
-_compiled_mask_builder = None
-
-
-def build_block_mask(mask_mod, *, compiled: bool, **sizes):
-    """flex's block mask of ``mask_mod`` (``sizes``: ``create_block_mask``'s B, H, Q_LEN, KV_LEN,
-    device). ``compiled`` (the CUDA default): inductor evaluates the predicate tile by tile and
-    no dense ``[Q, KV]`` grid exists; eager evaluation materialises that grid and an int64 copy.
-    Where the compiled build fails (what inductor accepts differs between torch versions) the
-    eager build makes the same mask: a warning says so, and this process builds eagerly on that
-    device from then on."""
-    global _compiled_mask_builder
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    device = str(torch.device(sizes["device"]).type)
-    if compiled and device not in _EAGER_MASKS:
-        if _compiled_mask_builder is None:
-            _compiled_mask_builder = torch.compile(create_block_mask)
-        try:
-            return _compiled_mask_builder(mask_mod, **sizes)
-        except Exception as failed:  # noqa: BLE001  (torch.compile raises many kinds)
-            _EAGER_MASKS.add(device)
-            warnings.warn(f"the compiled flex block mask build failed ({type(failed).__name__}: "
-                          f"{str(failed).splitlines()[0][:200]}); building masks eagerly, which costs "
-                          "memory for a dense [Q, T+Q] grid", RuntimeWarning, stacklevel=2)
-    return create_block_mask(mask_mod, **sizes)
 
 
 def _mask_mod(predicate, blocks, window: int | None, index=None):

@@ -5,8 +5,8 @@ adds keys no real query sees."""
 import pytest
 import torch
 
-from specforge_core.drafts.dflash.fast import flex_blocks
-from specforge_core.drafts.dflash.fast.flex_blocks import _mask_mod, build_block_mask, flex_attend, pad_for_flex
+from specforge_core.drafts.dflash.fast.flex_blocks import _mask_mod, flex_attend, pad_for_flex
+from specforge_core.system.compile import build_block_mask
 from specforge_core.drafts.dflash.model import dense_attend
 from specforge_core.drafts.dflash.blocks import StreamIndex, build_blocks, dense_masks, visible
 from tests.drafts.dflash.fixtures import MASK, packed_batch, random_samples
@@ -63,28 +63,6 @@ def test_the_compiled_block_mask_builder_gives_the_dense_masks_tiles(window):
     assert tiles.any() and not tiles.all()
     assert torch.equal(compiled.to_dense().bool(), tiles)
     assert torch.equal(compiled.to_dense(), create_block_mask(mask_mod, **sizes).to_dense())
-
-
-def test_a_mask_inductor_cannot_compile_is_built_eagerly_with_a_warning(monkeypatch):
-    # integer division of a clamped symbolic index: what torch 2.13's inductor cannot simplify
-    monkeypatch.setattr(flex_blocks, "_EAGER_MASKS", set())
-
-    def by_division(b, h, q, kv):
-        return (kv - 32).clamp(min=0) // BLOCK == q // BLOCK
-
-    import warnings
-
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    sizes = dict(B=1, H=None, Q_LEN=64, KV_LEN=96, device="cpu", BLOCK_SIZE=8)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        got = build_block_mask(by_division, compiled=True, **sizes)
-    assert torch.equal(got.to_dense(), create_block_mask(by_division, **sizes).to_dense())
-    fell_back = [w for w in seen if "building masks eagerly" in str(w.message)]
-    if not fell_back:
-        pytest.skip("this torch's inductor compiles the predicate: no failure to fall back from")
-    assert fell_back[0].category is RuntimeWarning and flex_blocks._EAGER_MASKS == {"cpu"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flex attention backward)")
