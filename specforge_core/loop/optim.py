@@ -152,15 +152,26 @@ class DraftOptimizer:
 
     @torch.no_grad()
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The L2 norm of all gradients over every rank's shards (a 0-dim tensor on the device),
-        from the local shards: the squares' sum is all-reduced over the mesh once."""
-        local = [_local(g) for g in grads]
-        squares = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local)).float()) ** 2
-        if any(isinstance(g, DTensor) for g in grads):
-            mesh = next(g for g in grads if isinstance(g, DTensor)).device_mesh
-            if mesh.size() > 1:
-                torch.distributed.all_reduce(squares, group=mesh.get_group())
-        return squares.sqrt()
+        """The L2 norm of all gradients over every rank's shards (a 0-dim fp32 tensor on the
+        device). Gradients sharded over one mesh dimension (FSDP2's) are read through their local
+        shards, whose squares' sum is all-reduced over the mesh once; others (replicated, or
+        meshes of more dimensions) go through DTensor as ``get_total_norm`` takes them."""
+        sharded = [g for g in grads if isinstance(g, DTensor)]
+        meshes = {id(g.device_mesh) for g in sharded}
+        if len(meshes) > 1 or any(g.device_mesh.ndim != 1 or not g.placements[0].is_shard() for g in sharded):
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
+
+        def squares(tensors):
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)).float()) ** 2
+
+        total = squares([g.to_local() for g in sharded]) if sharded else None
+        if sharded and sharded[0].device_mesh.size() > 1:
+            torch.distributed.all_reduce(total, group=sharded[0].device_mesh.get_group())
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        if plain:
+            total = squares(plain) if total is None else total + squares(plain)
+        return total.sqrt()
 
     @torch.no_grad()
     def _fused_step_on_shards(self, grad_scale: torch.Tensor) -> None:
@@ -180,7 +191,7 @@ class DraftOptimizer:
                  [_local(s["exp_avg"]) for s in state], [_local(s["exp_avg_sq"]) for s in state], [],
                  [s["step"] for s in state], fused=True, grad_scale=grad_scale, decoupled_weight_decay=True,
                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                 eps=group["eps"], maximize=False)
+                 eps=group["eps"], maximize=group["maximize"])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

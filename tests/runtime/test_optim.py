@@ -170,3 +170,18 @@ def test_fused_adamw_updates_a_parameter_whose_first_gradient_comes_late(world_o
         opt.step()
         assert torch.equal(root.b.weight.to_local(), before) != use_b
     assert set(opt.optimizer.state) == {p for p in root.parameters()}
+
+
+def test_the_global_norm_counts_sharded_replicated_and_plain_gradients_once(world_of_one):
+    # FSDP2's gradients take the local shards' path; a replicated one goes through DTensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    _, _, opt = _build(world_of_one, accumulation=1)
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(6, 4, generator=g) for _ in range(3))
+    want = torch.cat([a.flatten(), b.flatten(), c.flatten()]).norm()
+    mesh = world_of_one.mesh
+    sharded = [distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(b, mesh, [Shard(0)])]
+    torch.testing.assert_close(opt._global_norm(sharded + [c]), want)
+    replicated = [distribute_tensor(a, mesh, [Replicate()]), distribute_tensor(b, mesh, [Shard(0)])]
+    torch.testing.assert_close(opt._global_norm(replicated), torch.cat([a.flatten(), b.flatten()]).norm())
