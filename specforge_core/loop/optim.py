@@ -134,8 +134,7 @@ class DraftOptimizer:
         if grad_scale is not None:
             multiplier = multiplier * grad_scale
         lr = self.scheduler.get_last_lr()[0]
-        has_state = all(p in self.optimizer.state for p in self.params if p.grad is not None)
-        if self.fused and has_state:
+        if self.fused and all(p in self.optimizer.state for p in self.params if p.grad is not None):
             # the fused kernel divides each gradient by ``grad_scale`` as it reads it: no extra pass
             self._fused_step_on_shards(multiplier.reciprocal())
         elif self.fused:  # a first update makes AdamW's state (as DTensors, like the parameters)

@@ -169,12 +169,11 @@ class StreamIndex:
         return cls(q // size, q % size, torch.where(d >= 0, d.clamp(min=0) // size, -1), d.clamp(min=0) % size)
 
 
-def visible(blocks: DFlashBlocks, b, q, kv, window: int | None, index: StreamIndex | None = None) -> torch.Tensor:
+def visible(blocks: DFlashBlocks, b, q, kv, window: int | None, index: StreamIndex) -> torch.Tensor:
     """The mask predicate for row ``b``, query ``q`` (block stream) and key ``kv`` (context
     ``[0,T)``, then the block stream): broadcasting tensors for the dense mask, or the scalar
     indices of a flex ``mask_mod``. ``window``: the sliding window, None for full attention;
-    ``index``: ``StreamIndex.of(blocks)``, made here when not given."""
-    index = StreamIndex.of(blocks) if index is None else index
+    ``index``: ``StreamIndex.of(blocks)``, made once for every layer type's mask."""
     t = blocks.ctx_len
     q = q.clamp(max=index.query_block.numel() - 1)
     c = kv.clamp(max=t - 1)

@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from specforge_core.drafts.dflash.blocks import StreamIndex
 from specforge_core.errors import ConfigError
 from specforge_core.system.compile import build_block_mask
 
@@ -67,8 +68,6 @@ def flex_attend(blocks, predicate, windows: dict):
     sliding window, ``windows[layer_type]`` (None: full attention)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from specforge_core.drafts.dflash.blocks import StreamIndex
-
     b, nb = blocks.keep.shape
     q_len = nb * blocks.block_size
     device = blocks.keep.device
@@ -87,7 +86,7 @@ def flex_attend(blocks, predicate, windows: dict):
     return attend
 
 
-def _mask_mod(predicate, blocks, window: int | None, index=None):
+def _mask_mod(predicate, blocks, window: int | None, index):
     # exactly four positional parameters: flex tells a mask_mod from a score_mod by their count
     def mask_mod(b, h, q, kv):
         return predicate(blocks, b, q, kv, window, index)

@@ -5,10 +5,10 @@ adds keys no real query sees."""
 import pytest
 import torch
 
-from specforge_core.drafts.dflash.fast.flex_blocks import _mask_mod, flex_attend, pad_for_flex
-from specforge_core.system.compile import build_block_mask
-from specforge_core.drafts.dflash.model import dense_attend
 from specforge_core.drafts.dflash.blocks import StreamIndex, build_blocks, dense_masks, visible
+from specforge_core.drafts.dflash.fast.flex_blocks import _mask_mod, flex_attend, pad_for_flex
+from specforge_core.drafts.dflash.model import dense_attend
+from specforge_core.system import compile as comp
 from tests.drafts.dflash.fixtures import MASK, packed_batch, random_samples
 
 BLOCK, WINDOW, LAYERS = 4, 5, ("sliding_attention", "full_attention")
@@ -46,16 +46,19 @@ def test_flex_equals_sdpa_under_the_dense_masks_on_the_cpu():
 
 
 @pytest.mark.parametrize("window", [None, WINDOW])
-def test_the_compiled_block_mask_builder_gives_the_dense_masks_tiles(window):
+def test_the_compiled_block_mask_builder_gives_the_dense_masks_tiles(window, monkeypatch):
     # CUDA builds the mask compiled (tile by tile, no dense grid); the CPU can compile it too
     from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setattr(comp, "_EAGER_MASKS", set())
 
     _, padded, _ = _padded_blocks()
     b, nb = padded.keep.shape
     q_len = nb * BLOCK
     sizes = dict(B=b, H=None, Q_LEN=q_len, KV_LEN=padded.ctx_len + q_len, device="cpu", BLOCK_SIZE=8)
     mask_mod = _mask_mod(visible, padded, window, StreamIndex.of(padded))
-    compiled = build_block_mask(mask_mod, compiled=True, **sizes)
+    compiled = comp.build_block_mask(mask_mod, compiled=True, **sizes)
+    assert not comp._EAGER_MASKS  # built compiled, not by the eager fallback
     dense = dense_masks(padded, ["sliding_attention" if window else "full_attention"], window)
     want = next(iter(dense.values()))[:, None]  # [b, 1, Q, T+Q]
     # the block mask holds a tile of 8 queries × 8 keys where some key of it is visible to some query
