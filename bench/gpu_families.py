@@ -4,7 +4,9 @@
     python bench/gpu_families.py --families dspark,dflash2 --seq-len 4096
     python bench/gpu_families.py --shape tiny --device cpu --steps 1 --warmup 0   # smoke test on a CPU
 
-Needs torch, transformers and ``speculators==0.9.0`` (no Prefect, datasets or network). Families
+Needs torch, transformers and ``speculators==0.9.0`` with what its import needs (``datasets``,
+``openai``, ``redis``, ``kernels``, ``cryptography``, ``loguru``, ``pydantic``; no Prefect or network:
+``pip download`` the wheels for a node without one, ``openai`` below 3, whose 3.x imports ``httpx2``). Families
 (``--families``): ``dspark``, ``dflash2`` (``draft.dflash.dflash2``), ``dflash`` and ``eagle31``
 (EAGLE-3.1: ``draft.fc_norm`` + ``draft.norm_output``). Per family two processes run one after
 the other, each a subprocess of this script so that memory and compile caches do not mix:
