@@ -26,9 +26,8 @@ form materialises the dense mask):
   with the row counts symbolic and the model's sizes constant (:func:`rows_dynamic`).
 
 Without ``training.compile`` a run compiles nothing but flex attention and its block masks where it
-uses them; with it
-the first step waits for the compile, whose graphs are cached in the run directory
-(:func:`compile_cache`) for a resumed run, and the steps after it are faster. Start time and
+uses them; with it the first step waits for the compile, whose graphs are cached in the run
+directory (:func:`compile_cache`) for a resumed run, and the steps after it are faster. Start time and
 tokens/s either way: docs/performance.md, "Cold start and ``training.compile``".
 """
 
@@ -161,7 +160,7 @@ def compile_cache(path: str | Path):
         os.environ.pop(CACHE_ENV, None)
 
 
-_EAGER_MASKS: set = set()  # devices whose compiled mask build failed in this process
+_EAGER_MASKS: set[str] = set()  # devices whose compiled mask build failed in this process
 _compiled_mask_builder = None
 
 
@@ -175,7 +174,7 @@ def build_block_mask(mask_mod, *, compiled: bool, **sizes):
     global _compiled_mask_builder
     from torch.nn.attention.flex_attention import create_block_mask
 
-    device = str(torch.device(sizes["device"]).type)
+    device = torch.device(sizes["device"]).type
     if compiled and device not in _EAGER_MASKS:
         if _compiled_mask_builder is None:
             _compiled_mask_builder = torch.compile(create_block_mask)
