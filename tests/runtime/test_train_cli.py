@@ -84,7 +84,8 @@ def finite_losses(run_dir: Path, steps: int) -> list[float]:
 # --- topologies -----------------------------------------------------------------------------------
 
 
-# 2 ranks, tp 1: straight_run below; (4, 2) is two islands of two, so one island of two (2, 2) adds nothing
+# 2 ranks, tp 1: straight_run below and tests/reliability's runs; (4, 2) is two islands of two, so one
+# island of two (2, 2) adds nothing
 @pytest.mark.parametrize("world,tp", [(1, 1), (4, 2)])
 def test_torchrun_trains_and_checkpoints_on_each_topology(workdir, tiny_target_dir, world, tp):
     name = f"w{world}-tp{tp}"
@@ -123,10 +124,11 @@ N = 2  # the killed run is checkpointed at step N and killed; both runs train 2N
 
 
 # DFlash with the DFlash2 option: everything DFlash saves and restores, plus the convolution and
-# selector weights and the DFlash2 fields of the resume contract (DSpark: tests/drafts/dspark/test_train.py)
-FAMILIES = {"eagle3": {"draft_vocab_size": 256},
-            "dflash2": {"family": "dflash", "dflash": {"block_size": 4, "num_anchors": 16, "dflash2": True,
-                                                       "selector_rank": 8, "selector_top_k": 4}}}
+# selector weights and the DFlash2 fields of the resume contract. EAGLE3's killed and resumed runs
+# are tests/reliability's (a kill at every point, torn checkpoints, stale locks); DSpark's:
+# tests/drafts/dspark/test_train.py.
+FAMILIES = {"dflash2": {"family": "dflash", "dflash": {"block_size": 4, "num_anchors": 16, "dflash2": True,
+                                                        "selector_rank": 8, "selector_top_k": 4}}}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
