@@ -49,6 +49,7 @@ from specforge_core.errors import ResumeError
 from specforge_core.io import atomic_write_text
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import Ref, RunManifest
+from specforge_core.system.compile import CACHE_ENV
 from specforge_core.loop.checkpoint import checkpoint_step, contract_differences, latest_checkpoint, read_train_state
 from specforge_core.loop.run_lock import make_output_dir
 from tasks.caching import StageOutput, stage_cache
@@ -146,6 +147,18 @@ def torchrun_command(config: RunConfig, manifest_path: Path, rdzv_id: str,
     return (prefix or []) + cmd
 
 
+def torchrun_env(config: RunConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """The ranks' environment: ``environ`` (the worker's) plus, where it sets neither,
+    ``OMP_NUM_THREADS`` (each rank's share of the cores; a CUDA rank then keeps one thread:
+    system/distributed.py) and ``TORCHINDUCTOR_CACHE_DIR`` = ``<output.dir>/compile-cache``: one
+    compile cache for every flow run under ``output.dir``, so a retry or a later run of the same
+    recipe (a scheduled retraining) starts from the graphs and kernels an earlier run compiled."""
+    env = dict(environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.deployment.nproc_per_node)))
+    env.setdefault(CACHE_ENV, str(RunDir(config.output.dir).compile_cache.resolve()))
+    return env
+
+
 def check_checkpoint_plan(ckpt: Path, plan_path: Path) -> None:
     """Fail before launching if the checkpoint this run would resume was trained under another plan
     (the same comparison the trainer's resume check makes, on the plan part of the contract)."""
@@ -231,8 +244,7 @@ def train(config: RunConfig, prompt_cache: StageOutput, vocab_map: StageOutput |
                     plan.facts["total_optimizer_steps"])
 
     manifest = record_run(config, run, prompt_cache, vocab_map, plan)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get(
-        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.deployment.nproc_per_node)))}
+    env = torchrun_env(config, os.environ)
     outcome = run_process_group(
         torchrun_command(config, manifest, rdzv_id=key[:32], prefix=prefix),
         env=env,

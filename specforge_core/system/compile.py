@@ -27,7 +27,8 @@ form materialises the dense mask):
 
 Without ``training.compile`` a run compiles nothing but flex attention and its block masks where it
 uses them; with it the first step waits for the compile, whose graphs are cached in the run
-directory (:func:`compile_cache`) for a resumed run, and the steps after it are faster. Start time and
+directory (:func:`compile_cache`) for a resumed run (under the flow, in ``<output.dir>`` for every
+later run too: tasks/train_stage.torchrun_env), and the steps after it are faster. Start time and
 tokens/s either way: docs/performance.md, "Cold start and ``training.compile``".
 """
 

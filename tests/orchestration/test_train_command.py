@@ -15,7 +15,9 @@ import json
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import RunManifest
 from tasks.caching import StageOutput
-from tasks.train_stage import launch_prefix, record_run, run_dir_for, run_job_variable_env, torchrun_command
+from specforge_core.system.compile import CACHE_ENV, compile_cache
+from tasks.train_stage import (launch_prefix, record_run, run_dir_for, run_job_variable_env, torchrun_command,
+                               torchrun_env)
 
 
 def _cmd(monkeypatch, prefix: list[str] | None = None, **deployment) -> list[str]:
@@ -61,6 +63,26 @@ def test_one_node_runs_torchrun_standalone(monkeypatch):
     assert _cmd(monkeypatch, nproc_per_node=2) == [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
         "-m", "specforge_core.train", "--manifest", "run/run.json"]
+
+
+def test_every_flow_run_under_an_output_dir_trains_with_one_compile_cache(tmp_path, monkeypatch):
+    cfg = RunConfig.model_validate({"output": {"dir": str(tmp_path / "runs")}, "deployment": {"nproc_per_node": 2}})
+    env = torchrun_env(cfg, {"PATH": "/bin"})
+    assert env["PATH"] == "/bin" and env["OMP_NUM_THREADS"].isdigit()
+    shared = Path(env[CACHE_ENV])
+    assert shared == (tmp_path / "runs" / "compile-cache").resolve()
+    # each run's ranks keep their run directory's cache only where nothing was set: here they read the shared one
+    for run_id in (RUN_ID, "ffffffff-4e5f-6789-abcd-ef0123456789"):
+        run = RunDir(run_dir_for(cfg.output.dir, "nightly", run_id))
+        monkeypatch.setenv(CACHE_ENV, env[CACHE_ENV])
+        with compile_cache(run.compile_cache) as used:
+            assert used == shared and not used.is_relative_to(run.root)
+
+
+def test_the_workers_own_thread_count_and_compile_cache_stand(tmp_path):
+    cfg = RunConfig.model_validate({"output": {"dir": str(tmp_path / "runs")}})
+    env = torchrun_env(cfg, {"OMP_NUM_THREADS": "3", CACHE_ENV: "/fast/disk/inductor"})
+    assert env["OMP_NUM_THREADS"] == "3" and env[CACHE_ENV] == "/fast/disk/inductor"
 
 
 def test_several_nodes_rendezvous_through_c10d(monkeypatch):
