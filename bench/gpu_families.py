@@ -28,10 +28,10 @@ the other, each a subprocess of this script so that memory and compile caches do
   On a CPU: eager attention and eager losses
   (the only ones it has there), no compile.
 
-Both processes run as ``python -m specforge_core.train`` runs a rank: ``OMP_WAIT_POLICY=PASSIVE``
-unless set (``system/host.py``); on CUDA ours also keeps one intra-op CPU thread, as every CUDA
-rank does (``system/distributed.use_one_host_thread``). Without these, torch's spinning pool
-workers slowed our DSpark step from 0.059 to 0.101 s on one H100.
+Both processes run with ``OMP_WAIT_POLICY=PASSIVE`` unless it is set, as ``python -m
+specforge_core.train`` runs a rank (``system/host.py``): with torch's spinning waits our host
+work, and so our step, was much slower than in training
+(``bench/results/families-host-threads-h100-2026-12-07.json``).
 
 Inputs: one packed row of ``--seq-len`` tokens (speculators trains on ``[1, T]`` rows), random
 "captured" target features made from a seed on the device by both processes alike, so the target

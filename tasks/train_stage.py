@@ -47,7 +47,7 @@ from prefect.logging import get_run_logger
 from specforge_core.config import RunConfig, dump_config
 from specforge_core.errors import ResumeError
 from specforge_core.io import atomic_write_text
-from specforge_core.run.directory import RunDir
+from specforge_core.run.directory import RunDir, shared_compile_cache
 from specforge_core.run.manifest import Ref, RunManifest
 from specforge_core.system.compile import CACHE_ENV
 from specforge_core.loop.checkpoint import checkpoint_step, contract_differences, latest_checkpoint, read_train_state
@@ -149,13 +149,14 @@ def torchrun_command(config: RunConfig, manifest_path: Path, rdzv_id: str,
 
 def torchrun_env(config: RunConfig, environ: Mapping[str, str]) -> dict[str, str]:
     """The ranks' environment: ``environ`` (the worker's) plus, where it sets neither,
-    ``OMP_NUM_THREADS`` (each rank's share of the cores; a CUDA rank then keeps one thread:
-    system/distributed.py) and ``TORCHINDUCTOR_CACHE_DIR`` = ``<output.dir>/compile-cache``: one
-    compile cache for every flow run under ``output.dir``, so a retry or a later run of the same
-    recipe (a scheduled retraining) starts from the graphs and kernels an earlier run compiled."""
+    ``OMP_NUM_THREADS`` (each rank's share of the cores) and ``TORCHINDUCTOR_CACHE_DIR`` =
+    ``<output.dir>/compile-cache`` (``shared_compile_cache``): one compile cache for every flow run
+    under the same ``output.dir``, so a retry or a later run of the same recipe (a scheduled
+    retraining) starts from the graphs and kernels an earlier run compiled. Ranks a launcher
+    starts without the worker's environment keep their run directory's cache."""
     env = dict(environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.deployment.nproc_per_node)))
-    env.setdefault(CACHE_ENV, str(RunDir(config.output.dir).compile_cache.resolve()))
+    env.setdefault(CACHE_ENV, str(shared_compile_cache(config.output.dir)))
     return env
 
 

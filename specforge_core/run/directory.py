@@ -14,7 +14,8 @@ Layout (``output.dir``, or ``<output.dir>/<flow run>-<id>`` when the flow runs i
     train.tree          the launched process tree, for stopping it after a crash (tasks/process_group.py)
     checkpoints/        step-NNNNNNNN/ directories and ``latest`` (loop/checkpoint.py)
     compile-cache/      torch.compile's inductor/Triton caches on CUDA: a resumed run reuses them
-                        (system/compile.py; absent on CPU, where nothing is compiled)
+                        (system/compile.py; absent on CPU, where nothing is compiled). A flow run's
+                        ranks use their run directory's parent's instead (shared_compile_cache)
     draft/              the exported draft (validate stage)
     draft-untrained/    an untrained draft of the same config, the "before" of a cold start
     validation.md       the evaluator's report when it is run by hand
@@ -26,6 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specforge_core.run.metrics_file import METRICS_FILE, MetricsFile
+
+COMPILE_CACHE = "compile-cache"
+
+
+def shared_compile_cache(output_dir: str | Path) -> Path:
+    """The compile cache every flow run under ``output_dir`` shares, beside their run directories
+    (absolute: the ranks may start in another directory)."""
+    return (Path(output_dir) / COMPILE_CACHE).resolve()
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ class RunDir:
 
     @property
     def compile_cache(self) -> Path:
-        return self.root / "compile-cache"
+        return self.root / COMPILE_CACHE
 
     @property
     def draft(self) -> Path:

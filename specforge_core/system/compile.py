@@ -27,9 +27,10 @@ form materialises the dense mask):
 
 Without ``training.compile`` a run compiles nothing but flex attention and its block masks where it
 uses them; with it the first step waits for the compile, whose graphs are cached in the run
-directory (:func:`compile_cache`) for a resumed run (under the flow, in ``<output.dir>`` for every
-later run too: tasks/train_stage.torchrun_env), and the steps after it are faster. Start time and
-tokens/s either way: docs/performance.md, "Cold start and ``training.compile``".
+directory (:func:`compile_cache`) for a resumed run (a flow run's: in the run directories' parent,
+for every later flow run too: run/directory.shared_compile_cache), and the steps after it are
+faster. Start time and tokens/s either way: docs/performance.md, "Cold start and
+``training.compile``".
 """
 
 import contextlib

@@ -7,7 +7,6 @@
 ``MASTER_PORT`` (what torchrun exports), picks the device (``cuda:LOCAL_RANK`` or ``cpu``) and the
 backend that goes with it (NCCL or gloo), and builds the 1-D device mesh the draft is sharded over.
 Without those variables it makes a world of one in-process, so the same code path runs by hand.
-A CUDA rank keeps one intra-op CPU thread (:func:`use_one_host_thread`).
 
 The helpers below (barrier, reductions, object broadcast/gather) are the only collectives the
 trainer, checkpoints and metrics use outside FSDP; every rank must call them in the same order.
@@ -61,18 +60,6 @@ def enable_expandable_segments() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
-def use_one_host_thread() -> None:
-    """Run this CUDA rank's CPU tensor ops on one thread.
-
-    A GPU rank's host work is small and latency-bound (the block layout made from the host masks,
-    pinned copies, the launch of every kernel), and where the GPU waits for the launches it sets
-    the step. With torch's default pool of one thread per core, the pool's workers spin after each
-    small CPU op and the launching thread runs every op more slowly (docs/performance.md). CPU
-    ranks keep their pool: their compute is on the host.
-    """
-    torch.set_num_threads(1)
-
-
 def init_distributed(device: Literal["auto", "cpu", "cuda"] = "auto", *, timeout_s: float = 1800.0) -> Dist:
     """Join (or, without torchrun, create) the run's process group and return where we sit.
 
@@ -95,7 +82,6 @@ def init_distributed(device: Literal["auto", "cpu", "cuda"] = "auto", *, timeout
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-        use_one_host_thread()
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if present:

@@ -15,7 +15,7 @@ import json
 from specforge_core.run.directory import RunDir
 from specforge_core.run.manifest import RunManifest
 from tasks.caching import StageOutput
-from specforge_core.system.compile import CACHE_ENV, compile_cache
+from specforge_core.system.compile import CACHE_ENV
 from tasks.train_stage import (launch_prefix, record_run, run_dir_for, run_job_variable_env, torchrun_command,
                                torchrun_env)
 
@@ -65,18 +65,17 @@ def test_one_node_runs_torchrun_standalone(monkeypatch):
         "-m", "specforge_core.train", "--manifest", "run/run.json"]
 
 
-def test_every_flow_run_under_an_output_dir_trains_with_one_compile_cache(tmp_path, monkeypatch):
-    cfg = RunConfig.model_validate({"output": {"dir": str(tmp_path / "runs")}, "deployment": {"nproc_per_node": 2}})
+@pytest.mark.parametrize("output_dir", ["runs", "absolute"])
+def test_every_flow_run_under_an_output_dir_trains_with_one_compile_cache(tmp_path, monkeypatch, output_dir):
+    monkeypatch.chdir(tmp_path)  # a relative output.dir is the flow process's: the ranks get it absolute
+    out = "runs" if output_dir == "runs" else str(tmp_path / "elsewhere")
+    cfg = RunConfig.model_validate({"output": {"dir": out}, "deployment": {"nproc_per_node": 2}})
     env = torchrun_env(cfg, {"PATH": "/bin"})
     assert env["PATH"] == "/bin" and env["OMP_NUM_THREADS"].isdigit()
     shared = Path(env[CACHE_ENV])
-    assert shared == (tmp_path / "runs" / "compile-cache").resolve()
-    # each run's ranks keep their run directory's cache only where nothing was set: here they read the shared one
-    for run_id in (RUN_ID, "ffffffff-4e5f-6789-abcd-ef0123456789"):
-        run = RunDir(run_dir_for(cfg.output.dir, "nightly", run_id))
-        monkeypatch.setenv(CACHE_ENV, env[CACHE_ENV])
-        with compile_cache(run.compile_cache) as used:
-            assert used == shared and not used.is_relative_to(run.root)
+    assert shared.is_absolute() and shared == (tmp_path / out / "compile-cache").resolve()
+    runs = [RunDir(run_dir_for(out, "nightly", run_id)) for run_id in (RUN_ID, "ffffffff-4e5f-6789-abcd-ef0123456789")]
+    assert all(run.root.resolve().parent == shared.parent for run in runs)  # beside every run directory
 
 
 def test_the_workers_own_thread_count_and_compile_cache_stand(tmp_path):

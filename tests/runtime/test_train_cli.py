@@ -1,8 +1,8 @@
 """``python -m specforge_core.train`` under real torchrun: topologies, a killed run resumed, SmolLM2.
 
 Every run here is the product's own entry point on real pieces: tiny (or SmolLM2) target with the
-hf capture backend, the content-keyed prompt cache, the vocab map, the EAGLE3 draft and objective,
-FSDP2 over gloo.
+hf capture backend, the content-keyed prompt cache, the vocab map, the EAGLE3 draft and objective
+(the killed run: DFlash2's), FSDP2 over gloo.
 """
 
 import json
