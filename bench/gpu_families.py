@@ -31,7 +31,8 @@ the other, each a subprocess of this script so that memory and compile caches do
 Both processes run with ``OMP_WAIT_POLICY=PASSIVE`` unless it is set, as ``python -m
 specforge_core.train`` runs a rank (``system/host.py``): with torch's spinning waits our host
 work, and so our step, was much slower than in training
-(``bench/results/families-host-threads-h100-2026-12-07.json``).
+(``bench/results/families-host-threads-h100-2026-12-07.json``). Each side records the wait policy
+and its intra-op thread count (``omp_wait_policy``, ``intra_op_threads``).
 
 Inputs: one packed row of ``--seq-len`` tokens (speculators trains on ``[1, T]`` rows), random
 "captured" target features made from a seed on the device by both processes alike, so the target
@@ -210,7 +211,8 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
     return dict(first_loss=first, step_s=statistics.median(times), warmup_s=warm_s,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device_name=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), intra_op_threads=torch.get_num_threads(),
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""))
 
 
 def sync_sites(step) -> list:
@@ -502,6 +504,9 @@ def run_reference(args, work: Path) -> dict:
 
 
 def child(args) -> int:
+    from specforge_core.system.host import prefer_passive_omp_wait
+
+    prefer_passive_omp_wait()  # before torch is imported, as python -m specforge_core.train does (each side)
     for name, file in (("BENCH_PROFILE", "profile-{}.txt"), ("BENCH_SYNC_DEBUG", "sync-{}.json")):
         if os.environ.get(name) and Path(os.environ[name]).is_dir():  # a folder: one file per family and side
             os.environ[name] = str(Path(os.environ[name]) / file.format(f"{args.family}-{args.side}"))
@@ -595,9 +600,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
-    from specforge_core.system.host import prefer_passive_omp_wait
-
-    prefer_passive_omp_wait()  # before torch is imported, as python -m specforge_core.train does; both sides inherit it
     args = parse_args(argv)
     if args.side:
         return child(args)

@@ -21,7 +21,8 @@ pytest.importorskip("speculators")
 pytestmark = pytest.mark.slow
 
 
-def test_both_sides_step_and_their_first_losses_agree(tmp_path):
+def test_both_sides_step_and_their_first_losses_agree(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # each side sets it, as a training rank does
     bench = load_bench("gpu_families")
     argv = ["--shape", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--families", "dspark",
             "--out", str(tmp_path)]
@@ -30,5 +31,6 @@ def test_both_sides_step_and_their_first_losses_agree(tmp_path):
     for side in ("ours", "reference"):
         assert row[side]["tokens_per_s"] > 0 and math.isfinite(row[side]["tokens_per_s"]), row[side]
         assert row[side]["first_loss"] and all(math.isfinite(v) for v in row[side]["first_loss"].values())
+        assert row[side]["omp_wait_policy"] == "PASSIVE" and row[side]["intra_op_threads"] >= 1
     assert math.isfinite(row["ours_over_reference"])
     assert row["first_loss_rel_diff"] <= 1e-5, (row["ours"]["first_loss"], row["reference"]["first_loss"])
