@@ -5,11 +5,12 @@
     python bench/gpu_families.py --shape tiny --device cpu --steps 1 --warmup 0   # smoke test on a CPU
 
 Needs torch, transformers and ``speculators==0.9.0`` with what its import needs (``datasets``,
-``openai``, ``redis``, ``kernels``, ``cryptography``, ``loguru``, ``pydantic``; no Prefect or network:
-``pip download`` the wheels for a node without one, ``openai`` below 3, whose 3.x imports ``httpx2``). Families
-(``--families``): ``dspark``, ``dflash2`` (``draft.dflash.dflash2``), ``dflash`` and ``eagle31``
-(EAGLE-3.1: ``draft.fc_norm`` + ``draft.norm_output``). Per family two processes run one after
-the other, each a subprocess of this script so that memory and compile caches do not mix:
+``openai``, ``redis``, ``kernels``, ``cryptography``, ``loguru``, ``pydantic``; no Prefect or
+network: ``pip download`` the wheels for a node without one, ``openai`` below 3, whose 3.x imports
+``httpx2``). Families (``--families``): ``dspark``, ``dflash2`` (``draft.dflash.dflash2``),
+``dflash`` and ``eagle31`` (EAGLE-3.1: ``draft.fc_norm`` + ``draft.norm_output``). Per family two
+processes run one after the other, each a subprocess of this script so that memory and compile
+caches do not mix:
 
 - **ours**: the step the trainer runs (``launch/builder.py``'s draft and objective behind
   ``loop/trainer.build_step``: FSDP2 root, bf16 compute over fp32 master weights, AdamW with
