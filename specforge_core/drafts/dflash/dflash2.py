@@ -20,8 +20,10 @@ The semantics are speculators 0.9.0's ``dflash2`` (z-lab's DFlash2), written her
   token chosen at the previous slot: ``score(c) = logit(c) + Σ_r P[prev]_r · (W_h h)_r · S[c]_r``.
   Training is teacher-forced (``prev`` = the true previous token; slot 1's is the anchor) with a
   ``top_k``-way cross-entropy whose label is the target's rank in the candidates; a target outside
-  the unary top-k replaces the weakest candidate (``training_candidates``). Decoding walks the
-  block left to right, each slot picking the best-scored candidate given the previous pick.
+  the unary top-k replaces the weakest candidate (``training_candidates``); the unary top-k is
+  taken from the unary loss's own logits (``fast.chunked_ce``), so training makes the head's
+  product over the vocabulary once. Decoding walks the block left to right, each slot picking the
+  best-scored candidate given the previous pick.
 
 Parameter names are speculators': ``layers.{i}.{attention,mlp}_conv.{base_kernel,
 kernel_projection.weight}`` and ``candidate_selector.{predecessor_codebook, successor_codebook,
@@ -234,22 +236,15 @@ def select_tokens(selector: CandidateSelector, hidden: torch.Tensor, lm_head_wei
 
 
 def selector_training_scores(selector: CandidateSelector, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                             predecessor_ids: torch.Tensor, target_ids: torch.Tensor):
-    """``(scores [R, K], candidate_ids, label, contains)`` of the teacher-forced selector at rows
-    ``hidden [R, H]`` (``training_candidates``)."""
-    ids, label, contains = training_candidates(unary_top_k(hidden, lm_head_weight, selector.top_k), target_ids)
-    return candidate_scores(selector, hidden, lm_head_weight, predecessor_ids, ids), ids, label, contains
-
-
-def selector_query(draft, blocks, rows: torch.Tensor, lm_head_weight: torch.Tensor):
-    """The draft forward's ``selector_query`` for the weighted slots ``rows`` of ``blocks`` (None
-    for a draft without a selector): slot k's predecessor is the true token ``x[a+k-1]`` (slot 1's
-    is the anchor), its target ``x[a+k]``, the objective's label."""
-    if getattr(draft, "candidate_selector", None) is None:
-        return None
+                             blocks, rows: torch.Tensor, unary_top: torch.Tensor):
+    """``(scores [R, K], candidate_ids, label, contains)`` of the teacher-forced selector at the
+    weighted slots ``rows`` of ``blocks``, whose draft outputs are ``hidden [R, H]`` and unary
+    top-k ids ``unary_top [R, K]`` (``training_candidates``). Slot k's predecessor is the true
+    token ``x[a+k-1]`` (slot 1's is the anchor), its target ``x[a+k]``, the objective's label."""
     labels = blocks.labels
-    predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1)
-    return lm_head_weight, rows, predecessors.flatten()[rows], labels.flatten()[rows]
+    predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten()[rows]
+    ids, label, contains = training_candidates(unary_top, labels.flatten()[rows])
+    return candidate_scores(selector, hidden, lm_head_weight, predecessors, ids), ids, label, contains
 
 
 def selector_objective(selected, weight: torch.Tensor, blocks, rows: torch.Tensor, alpha: float):

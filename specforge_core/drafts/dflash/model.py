@@ -34,7 +34,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from specforge_core.drafts.dflash.dflash2 import BlockConv, CandidateSelector, selector_training_scores
+from specforge_core.drafts.dflash.dflash2 import BlockConv, CandidateSelector
 from specforge_core.drafts.dflash.draft_config import (
     check_dflash_config,
     dflash2_of,
@@ -218,8 +218,7 @@ class DFlashDraftModel(nn.Module):
         target_hidden: torch.Tensor | None = None,
         context_positions: torch.Tensor | None = None,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        selector_query: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, tuple]:
+    ) -> torch.Tensor:
         """The final-normed draft output ``[b,Q,H]`` of the block stream (logits: times the
         target head).
 
@@ -228,11 +227,6 @@ class DFlashDraftModel(nn.Module):
         features ``target_hidden [b,C,K·H]`` at ``context_positions [b,C]`` (training: each
         layer projects them in its own forward) or cached ``context_kv`` (decoding, from
         ``context_kv``). ``attend``: see the module docstring.
-
-        ``selector_query`` (DFlash2 training): ``(lm_head_weight, rows, predecessor_ids [R],
-        target_ids [R])`` with ``rows`` indices into the flattened ``[b·Q]`` outputs; then returns
-        ``(hidden, dflash2.selector_training_scores(...))``, computed inside forward so that a
-        sharded selector is gathered.
         """
         if (target_hidden is None) == (context_kv is None):
             raise ValueError("give either target_hidden (with context_positions) or context_kv")
@@ -246,12 +240,7 @@ class DFlashDraftModel(nn.Module):
             contexts = [Context(kv=kv) for kv in context_kv]
         for layer, context in zip(self.layers, contexts):
             z = layer(z, cos, sin, context, attend)
-        hidden = self.norm(z)
-        if selector_query is None:
-            return hidden
-        head, rows, predecessor_ids, target_ids = selector_query
-        return hidden, selector_training_scores(self.candidate_selector, hidden.flatten(0, 1)[rows], head,
-                                                predecessor_ids, target_ids)
+        return self.norm(z)
 
     def cast_params(self, dtype: torch.dtype) -> "DFlashDraftModel":
         """Cast the parameters to ``dtype``, keeping the RoPE frequencies in fp32."""

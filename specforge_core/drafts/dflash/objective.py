@@ -89,10 +89,12 @@ def dflash_loss(
 
     ``embed_weight`` / ``lm_head_weight``: the target's frozen ``[V, H]`` embedding and head (no
     gradient reaches them). ``generator`` draws the anchors (``anchor_generator``; None: the
-    global CPU RNG). The draft is used only through its forward (FSDP2-safe); every rank runs
-    that forward even when its batch has no anchor (one padding block), so collectives match.
-    A DFlash2 draft adds ``selector_loss_alpha`` times its selector's numerator and sums
-    (``dflash2.selector_objective``). Raises ConfigError for invalid objective settings and
+    global CPU RNG). The draft is used through its forward and, for DFlash2, its
+    ``candidate_selector``, both inside the FSDP root's forward (the trainer's), where FSDP2 has
+    gathered every parameter; every rank runs them even when its batch has no anchor (one
+    padding block), so collectives match. A DFlash2 draft adds ``selector_loss_alpha`` times its
+    selector's numerator and sums (``dflash2.selector_objective``), its candidates the unary
+    loss's top-k. Raises ConfigError for invalid objective settings and
     ModelError for a malformed batch.
     """
     check_objective_settings(draft, block_size, num_anchors, loss_decay_gamma)
@@ -104,20 +106,20 @@ def dflash_loss(
     b, nb, size = blocks.tokens.shape
     embeds = F.embedding(blocks.tokens.flatten(1), embed_weight.detach())
     rows = blocks.valid_rows()
-    query = dflash2.selector_query(draft, blocks, rows, lm_head_weight)
-    hidden = draft(embeds, blocks.positions, attend, target_hidden=aux, context_positions=blocks.ctx_pos,
-                   **({} if query is None else {"selector_query": query}))
-    if query is not None:
-        hidden, selected = hidden
+    hidden = draft(embeds, blocks.positions, attend, target_hidden=aux, context_positions=blocks.ctx_pos)
+    selector = getattr(draft, "candidate_selector", None)
     k = torch.arange(size, device=ids.device)
     decay = torch.ones(size, device=ids.device, dtype=torch.float64)
     if loss_decay_gamma is not None:
         decay = torch.exp(-(k - 1).clamp(min=0).double() / loss_decay_gamma)
     weight64 = blocks.valid.double() * decay
     weight = weight64.float()
-    loss, ce, pred = target_cross_entropy(hidden.flatten(0, 1)[rows], lm_head_weight, blocks.labels.flatten()[rows],
-                                          weight.flatten()[rows], ce_chunk_rows)
-    if query is not None:
+    slots = hidden.flatten(0, 1)[rows]
+    loss, ce, pred, top = target_cross_entropy(slots, lm_head_weight, blocks.labels.flatten()[rows],
+                                               weight.flatten()[rows], ce_chunk_rows,
+                                               top_k=0 if selector is None else selector.top_k)
+    if selector is not None:
+        selected = dflash2.selector_training_scores(selector, slots, lm_head_weight, blocks, rows, top)
         extra, selector_sums = dflash2.selector_objective(selected, weight.flatten()[rows], blocks, rows,
                                                           selector_loss_alpha)
         loss = loss + extra
@@ -135,7 +137,7 @@ def dflash_loss(
             "ce_sum": ce_grid[..., 1:].sum((0, 1)),
             "accept_reach": torch.cat([blocks.keep.sum().view(1), reach]),
         }
-        if query is not None:
+        if selector is not None:
             sums.update(selector_sums)
     return loss, {key: value.double() for key, value in sums.items()}
 

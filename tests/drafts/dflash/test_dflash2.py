@@ -208,14 +208,13 @@ def speculators_selector_terms(draft, hidden, head, blocks_valid, labels, gamma)
 
 
 def run_ours(draft, batch, E, W, gamma, num_anchors=3):
+    """The objective's loss and sums in float64, its blocks, the draft's outputs, and the selector's
+    training scores at the weighted slots made from them as the objective makes them."""
     from specforge_core.drafts.dflash.blocks import build_blocks
+    from specforge_core.drafts.dflash.fast.chunked_ce import target_cross_entropy
 
     captured = {}
-
-    def keep(_module, _args, _kwargs, output):
-        captured["hidden"], captured["selected"] = output
-
-    handle = draft.register_forward_hook(keep, with_kwargs=True)
+    handle = draft.register_forward_hook(lambda _m, _a, output: captured.update(hidden=output))
     try:
         loss, sums = dflash_loss(draft.double(), {k: (v.double() if v.is_floating_point() else v)
                                                   for k, v in batch.items()},
@@ -226,6 +225,13 @@ def run_ours(draft, batch, E, W, gamma, num_anchors=3):
         handle.remove()
     blocks = build_blocks(batch, block_size=draft.block_size, num_anchors=num_anchors,
                           mask_token_id=draft.mask_token_id, generator=torch.Generator().manual_seed(0))
+    rows = blocks.valid_rows()
+    slots = captured["hidden"].flatten(0, 1)[rows]
+    selector = draft.candidate_selector
+    with torch.no_grad():
+        *_, top = target_cross_entropy(slots, W.double(), blocks.labels.flatten()[rows], torch.ones(len(rows)),
+                                       top_k=selector.top_k)
+        captured["selected"] = dflash2.selector_training_scores(selector, slots, W.double(), blocks, rows, top)
     return loss, sums, blocks, captured
 
 
@@ -366,10 +372,15 @@ def test_speculative_decoding_with_a_dflash2_drafter_is_lossless():
     assert [g.tokens for g in spec] == [g.tokens for g in plain]
 
 
-def test_a_fully_sharded_dflash2_draft_gives_the_unsharded_loss_and_gradients(tmp_path):
+def test_a_dflash2_draft_sharded_as_the_trainer_shards_it_gives_the_unsharded_loss_and_gradients(tmp_path):
+    """The objective calls the selector outside the draft's forward: inside the trainer's FSDP root
+    (``TrainStep``, sharded by ``loop.optim.shard``) its parameters are gathered there too."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from specforge_core.loop.optim import shard
+    from specforge_core.loop.trainer import TrainStep
+    from specforge_core.system.distributed import Dist
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -378,20 +389,23 @@ def test_a_fully_sharded_dflash2_draft_gives_the_unsharded_loss_and_gradients(tm
         E, W = target_weights(10)
         batch = packed_batch(random_samples(10, [9, 6, 11]), [[0, 1], [2]])
 
-        def loss_and_grads(draft):
-            loss, sums = dflash_loss(draft, batch, embed_weight=E, lm_head_weight=W, block_size=4, num_anchors=3,
-                                     loss_decay_gamma=4.0, generator=torch.Generator().manual_seed(0),
-                                     backend="sdpa")
-            loss.backward()
-            return loss.item(), sums, {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-                                       for n, p in draft.named_parameters()}
+        def objective(draft, b):
+            return dflash_loss(draft, b, embed_weight=E, lm_head_weight=W, block_size=4, num_anchors=3,
+                               loss_decay_gamma=4.0, generator=torch.Generator().manual_seed(0), backend="sdpa")
 
-        loss, sums, grads = loss_and_grads(tiny_dflash2(10))
-        sharded = tiny_dflash2(10)
-        for layer in sharded.layers:
-            fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
-        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
-        sharded_loss, sharded_sums, sharded_grads = loss_and_grads(sharded)
+        def loss_and_grads(module, run):
+            loss, sums = run(batch)
+            loss.backward()
+            return loss.item(), sums, {n.removeprefix("draft."): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                                                   else p.grad) for n, p in module.named_parameters()}
+
+        plain = tiny_dflash2(10)
+        loss, sums, grads = loss_and_grads(plain, lambda b: objective(plain, b))
+        d = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
+                 mesh=init_device_mesh("cpu", (1,)))
+        root = shard(TrainStep(tiny_dflash2(10), objective), d)
+        sharded_loss, sharded_sums, sharded_grads = loss_and_grads(root, root)
+        assert set(sharded_grads) == set(grads)
         assert abs(sharded_loss - loss) <= 1e-6 * abs(loss)
         assert torch.equal(sums["selector_correct"], sharded_sums["selector_correct"])
         for name in grads:

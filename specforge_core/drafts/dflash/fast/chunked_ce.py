@@ -1,10 +1,12 @@
 """The frozen target head's weighted cross-entropy on the draft's outputs, ``[chunk, V]`` logits at a time.
 
-    loss, ce, argmax = target_cross_entropy(hidden, lm_head_weight, labels, weights, chunk_rows=2048)
+    loss, ce, argmax, top = target_cross_entropy(hidden, lm_head_weight, labels, weights, chunk_rows=2048,
+                                                 top_k=0)
 
 :func:`target_cross_entropy_plain` states the contract: ``loss = Σ weights·CE`` of the fp32
-logits ``hidden @ W.T`` against ``labels``, with gradient to ``hidden`` only, and each row's CE and
-argmax (no gradient). :class:`ChunkedTargetCE` computes the same one chunk of rows at a time and,
+logits ``hidden @ W.T`` against ``labels``, with gradient to ``hidden`` only, and each row's CE,
+argmax and ``top_k`` largest logits' ids (no gradient; DFlash2's selector candidates, taken from
+the same logits so the head's product is made once). :class:`ChunkedTargetCE` computes the same one chunk of rows at a time and,
 since the loss is linear in the rows' CE with weights known in the forward, takes the gradient in
 the same pass: each chunk's logits are made once, their gradient written over them and multiplied
 back through the head, and only ``d loss / d hidden`` (``[n, H]``) is kept for the backward, which
@@ -20,18 +22,22 @@ import torch.nn.functional as F
 from specforge_core.drafts.vocab import kernels as vocab_kernels
 
 
-def target_cross_entropy_plain(hidden, lm_head_weight, labels, weights):
-    """``(loss, ce [n], argmax [n])``: ``loss = Σ weights·ce`` (fp32 scalar, gradient to ``hidden``
-    only) where ``ce`` is the cross-entropy of the fp32 logits ``hidden.to(W.dtype) @ W.T``
-    against ``labels``; ``ce`` and ``argmax`` carry no gradient."""
-    logits = (hidden.to(lm_head_weight.dtype) @ lm_head_weight.detach().T).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights.detach().float()).sum(), ce.detach(), logits.detach().argmax(dim=-1)
+def target_cross_entropy_plain(hidden, lm_head_weight, labels, weights, top_k: int = 0):
+    """``(loss, ce [n], argmax [n], top [n, top_k])``: ``loss = Σ weights·ce`` (fp32 scalar,
+    gradient to ``hidden`` only) where ``ce`` is the cross-entropy of the fp32 logits of
+    ``hidden.to(W.dtype) @ W.T`` against ``labels``; ``top`` the ids of each row's ``top_k``
+    largest logits in the head's dtype, largest first. ``ce``, ``argmax`` and ``top`` carry no
+    gradient."""
+    logits = hidden.to(lm_head_weight.dtype) @ lm_head_weight.detach().T
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    top = logits.detach().topk(top_k, dim=-1).indices
+    return (ce * weights.detach().float()).sum(), ce.detach(), logits.detach().float().argmax(dim=-1), top
 
 
-def target_cross_entropy(hidden, lm_head_weight, labels, weights, chunk_rows: int = 2048):
+def target_cross_entropy(hidden, lm_head_weight, labels, weights, chunk_rows: int = 2048, top_k: int = 0):
     """:func:`target_cross_entropy_plain`, ``chunk_rows`` rows of logits at a time (module doc)."""
-    return ChunkedTargetCE.apply(hidden, lm_head_weight.detach(), labels, weights.detach().float(), chunk_rows)
+    return ChunkedTargetCE.apply(hidden, lm_head_weight.detach(), labels, weights.detach().float(), chunk_rows,
+                                 top_k)
 
 
 def hard_ce_stats(logits, labels):
@@ -58,27 +64,30 @@ def hard_ce_grad(logits, lse, labels, grad):
 
 
 class ChunkedTargetCE(torch.autograd.Function):
-    """``(Σ weights·CE, CE, argmax)`` of ``hidden @ weight.T`` (fp32 log-softmax over the full
-    vocab) against ``labels``, ``[chunk, V]`` logits at a time; the gradient to ``hidden`` is made
-    in the forward and kept (module doc). No gradient to ``weight`` (the frozen target head)."""
+    """``(Σ weights·CE, CE, argmax, top-k ids)`` of ``hidden @ weight.T`` (fp32 log-softmax over
+    the full vocab) against ``labels``, ``[chunk, V]`` logits at a time; the gradient to ``hidden``
+    is made in the forward and kept (module doc). No gradient to ``weight`` (the frozen target head)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk):
+    def forward(ctx, hidden, weight, labels, weights, chunk, top_k):
         n = hidden.shape[0]
         ce = hidden.new_empty(n, dtype=torch.float32)
         pred = labels.new_empty(n)
+        top = labels.new_empty(n, top_k)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for s in range(0, n, chunk):
             e = s + chunk
             logits = hidden[s:e].to(weight.dtype) @ weight.T
             ce[s:e], pred[s:e], lse = hard_ce_stats(logits, labels[s:e])
+            if top_k:  # before the gradient is written over the logits
+                top[s:e] = logits.topk(top_k, dim=-1).indices
             if grad is not None:
                 grad[s:e] = (hard_ce_grad(logits, lse, labels[s:e], weights[s:e]).to(weight.dtype) @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(ce, pred)
-        return (ce * weights).sum(), ce, pred
+        ctx.mark_non_differentiable(ce, pred, top)
+        return (ce * weights).sum(), ce, pred, top
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_ce, _grad_pred):
+    def backward(ctx, grad_loss, _grad_ce, _grad_pred, _grad_top):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
