@@ -82,10 +82,10 @@ CPU, in fp32) is what shows both sides step the same computation. Every family p
 ``ours_over_reference_back_to_back``) and
 ``--out DIR`` writes ``DIR/families.json``; the exit status is 1 when a side failed. A side
 that runs out of ``--side-timeout`` reports the tail of its progress lines (one per warmup step).
-``BENCH_PROFILE=FILE`` with ``--side`` writes the timed steps' profiler table (CUDA time) to FILE
-(a folder instead of FILE, with or without ``--side``: one file per family and side in it;
-``BENCH_PROFILE_SORT=self_cpu_time_total`` sorts it by the host's time instead; a FILE ending in
-``.json`` gets the profiler's timeline as a Chrome trace instead of the table);
+``BENCH_PROFILE=FILE`` with ``--side`` writes the one-by-one timed steps' profiler table (CUDA
+time) to FILE (a folder instead of FILE, with or without ``--side``: one file per family and side
+in it; ``BENCH_PROFILE_SORT=self_cpu_time_total`` sorts it by the host's time instead; a FILE
+ending in ``.json`` gets the profiler's timeline as a Chrome trace instead of the table);
 ``BENCH_SYNC_DEBUG=FILE`` (CUDA) one more step after the timed ones under
 ``torch.cuda.set_sync_debug_mode("warn")``, and writes to FILE each call site that made the host
 wait for the device, with its count (a step that waits leaves the GPU idle while it refills).
@@ -171,7 +171,8 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
     """``warmup`` untimed steps, then ``steps`` timed ones (CUDA events; wall clock on a CPU):
     the first step's loss (``step(True)`` returns it, read before any update; later steps are
     ``step(False)`` and read nothing the training loop would not), the median seconds, the
-    seconds of the warmup and the peak allocated GiB."""
+    seconds of the warmup and the peak allocated GiB; then ``steps`` more back to back, waited for
+    once, whose mean is ``back_to_back_step_s``."""
     import torch
 
     cuda = device.type == "cuda"

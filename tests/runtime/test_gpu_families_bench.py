@@ -32,7 +32,8 @@ def test_both_sides_step_and_their_first_losses_agree(tmp_path, monkeypatch):
         assert row[side]["tokens_per_s"] > 0 and math.isfinite(row[side]["tokens_per_s"]), row[side]
         assert row[side]["first_loss"] and all(math.isfinite(v) for v in row[side]["first_loss"].values())
         assert row[side]["omp_wait_policy"] == "PASSIVE" and row[side]["intra_op_threads"] >= 1
-        assert row[side]["back_to_back_step_s"] > 0 and math.isfinite(row[side]["back_to_back_step_s"])
+        # the same steps, one by one or back to back: within a loose factor of each other on a CPU
+        assert 0.2 < row[side]["back_to_back_step_s"] / row[side]["step_s"] < 5, row[side]
     assert math.isfinite(row["ours_over_reference"])
     assert row["ours_over_reference_back_to_back"] == pytest.approx(
         row["reference"]["back_to_back_step_s"] / row["ours"]["back_to_back_step_s"])

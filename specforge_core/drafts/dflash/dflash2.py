@@ -250,8 +250,8 @@ def selector_training_scores(selector: CandidateSelector, hidden: torch.Tensor, 
 def selector_objective(selected, weight: torch.Tensor, blocks, rows: torch.Tensor, alpha: float):
     """The selector's loss numerator ``alpha · Σ w · CE_K(scores, label)`` and its metric sums.
 
-    ``selected``: the draft forward's ``(scores, candidate_ids, label, contains)`` of the weighted
-    slots ``rows``; ``weight [R]``: their unary loss weights (the same decay). Sums (per draft
+    ``selected``: :func:`selector_training_scores`' ``(scores, candidate_ids, label, contains)`` of
+    the weighted slots ``rows``; ``weight [R]``: their unary loss weights (the same decay). Sums (per draft
     position i = k-1, ``[B-1]``): ``selector_loss_sum`` (Σ w·CE_K before ``alpha``; a scalar),
     ``selector_correct`` (the teacher-forced pick is the target and the unary top-k held it: what
     decoding can draft), ``selector_recall`` (the unary top-k held the target) and

@@ -1,5 +1,6 @@
-"""The objective drives the DFlash draft only through its forward, so FSDP2 (``fully_shard``) sees
-every parameter use: a sharded draft gives the unsharded loss and gradients. One gloo rank in
+"""The objective drives a DFlash draft (without DFlash2's selector) only through its forward, so
+FSDP2 (``fully_shard``) on the draft itself sees every parameter use: a sharded draft gives the
+unsharded loss and gradients. One gloo rank in
 this process (parameters become DTensors, so any use outside forward would fail)."""
 
 import pytest

@@ -1,7 +1,6 @@
 """The frozen target head's weighted cross-entropy on the draft's outputs, ``[chunk, V]`` logits at a time.
 
-    loss, ce, argmax, top = target_cross_entropy(hidden, lm_head_weight, labels, weights, chunk_rows=2048,
-                                                 top_k=0)
+    loss, ce, argmax, top = target_cross_entropy(hidden, head, labels, weights, chunk_rows=2048, top_k=0)
 
 :func:`target_cross_entropy_plain` states the contract: ``loss = Σ weights·CE`` of the fp32
 logits ``hidden @ W.T`` against ``labels``, with gradient to ``hidden`` only, and each row's CE,
@@ -73,7 +72,7 @@ class ChunkedTargetCE(torch.autograd.Function):
         n = hidden.shape[0]
         ce = hidden.new_empty(n, dtype=torch.float32)
         pred = labels.new_empty(n)
-        top = labels.new_empty(n, top_k)
+        top = torch.empty(n, top_k, dtype=torch.long, device=labels.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for s in range(0, n, chunk):
             e = s + chunk

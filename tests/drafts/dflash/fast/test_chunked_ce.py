@@ -44,14 +44,19 @@ def test_without_gradient_it_computes_the_values_and_keeps_no_gradient():
     assert not loss.requires_grad and torch.equal(argmax, want[2])
 
 
-@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
-def test_the_top_k_ids_are_those_of_the_head_s_logits_and_leave_the_gradient_alone(head_dtype):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the Triton passes)")
+
+
+@pytest.mark.parametrize("head_dtype,device", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"),
+                                               pytest.param(torch.bfloat16, "cuda", marks=CUDA)])
+def test_the_top_k_ids_are_those_of_the_head_s_logits_and_leave_the_gradient_alone(head_dtype, device):
     """Each row's k largest logits in the head's dtype (largest first), chunk by chunk, taken before
-    the gradient is written over them: loss, CE and gradient as without them."""
+    the gradient is written over them (on CUDA the Triton pass writes it over the logits):
+    loss, CE and gradient as without them."""
     g = torch.Generator().manual_seed(5)
-    hidden = torch.randn(13, 16, generator=g)
-    head = torch.randn(50, 16, generator=g).to(head_dtype)
-    labels, weights = torch.randint(50, (13,), generator=g), torch.rand(13, generator=g)
+    hidden = torch.randn(13, 16, generator=g).to(device)
+    head = torch.randn(50, 16, generator=g).to(head_dtype).to(device)
+    labels, weights = torch.randint(50, (13,), generator=g).to(device), torch.rand(13, generator=g).to(device)
     with_top, without = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
 
     loss, ce, _, top = target_cross_entropy(with_top, head, labels, weights, chunk_rows=4, top_k=6)
