@@ -18,6 +18,7 @@ goes to the frozen target head (both held by the caller, like EAGLE3's teacher g
       z = z + o_proj(attend(q, k, v));  z = z + mlp(post_attention_layernorm(z))
     h = norm(z)
 
+The norms are Qwen3's RMSNorm (:class:`RMSNorm`: the same values, one fused kernel on CUDA).
 Context keys/values depend only on ``(ctx[t], t)``, so a decoder may cache them (``context_kv``).
 The attention pattern is the caller's: ``attend(layer_type, q, k, v)`` with ``q [b,nh,Q,hd]``
 and ``k, v [b,nkv,C+Q,hd]`` (C context rows first, then the Q block rows), GQA heads not
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding, rotate_half
 
 from specforge_core.drafts.dflash.dflash2 import BlockConv, CandidateSelector
 from specforge_core.drafts.dflash.draft_config import (
@@ -44,6 +45,24 @@ from specforge_core.drafts.dflash.draft_config import (
 from specforge_core.errors import ModelError
 
 Attend = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm, ``weight * normalize(x)``, its normalisation in at least fp32 and cast back
+    to ``x``'s dtype before the scale, through ``F.rms_norm``: one fused kernel each way on CUDA
+    where transformers' ``Qwen3RMSNorm`` makes five passes with fp32 copies. The same values and
+    gradients as ``Qwen3RMSNorm`` in fp32 and bf16 (a float64 input stays float64 here)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,8 +108,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         b, n, _ = x.shape
@@ -120,9 +139,9 @@ class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DFlashAttention(config)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
         extra = dflash2_of(config)
         if extra is not None:
@@ -160,9 +179,9 @@ class DFlashDraftModel(nn.Module):
         self.sliding_window = config.sliding_window if "sliding_attention" in self.layer_types else None
         h = config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, t) for t in self.layer_types)
-        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         extra = dflash2_of(config)
         self.candidate_selector = None if extra is None else CandidateSelector(
@@ -177,7 +196,7 @@ class DFlashDraftModel(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-            elif isinstance(module, Qwen3RMSNorm):
+            elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         for module in self.modules():
             if isinstance(module, (BlockConv, CandidateSelector)):
