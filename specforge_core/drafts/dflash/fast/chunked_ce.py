@@ -2,16 +2,17 @@
 
     loss, ce, argmax, top = target_cross_entropy(hidden, head, labels, weights, chunk_rows=2048, top_k=0)
 
-:func:`target_cross_entropy_plain` states the contract: ``loss = Σ weights·CE`` of the fp32
-logits ``hidden @ W.T`` against ``labels``, with gradient to ``hidden`` only, and each row's CE,
-argmax and ``top_k`` largest logits' ids (no gradient; DFlash2's selector candidates, taken from
-the same logits so the head's product is made once). :class:`ChunkedTargetCE` computes the same one chunk of rows at a time and,
-since the loss is linear in the rows' CE with weights known in the forward, takes the gradient in
-the same pass: each chunk's logits are made once, their gradient written over them and multiplied
-back through the head, and only ``d loss / d hidden`` (``[n, H]``) is kept for the backward, which
-scales it by the upstream gradient (tests/drafts/dflash/fast/test_chunked_ce.py). Per chunk,
-:func:`hard_ce_stats` and :func:`hard_ce_grad` are the torch passes over the logits; on CUDA the
-Triton kernels of ``drafts/vocab/kernels.py`` do each in one read of the head's-dtype logits
+:func:`target_cross_entropy_plain` states the contract: ``loss = Σ weights·CE`` of the fp32 logits
+``hidden @ W.T`` against ``labels``, with gradient to ``hidden`` only, and each row's CE, argmax and
+``top_k`` largest logits' ids (no gradient; DFlash2's selector candidates, taken from the same
+logits so the head's product is made once). :class:`ChunkedTargetCE` computes the same one chunk of
+rows at a time and, since the loss is linear in the rows' CE with weights known in the forward,
+takes the gradient in the same pass: each chunk's logits are made once, their gradient written over
+them and multiplied back through the head, and only ``d loss / d hidden`` (``[n, H]``) is kept for
+the backward, which scales it by the upstream gradient
+(tests/drafts/dflash/fast/test_chunked_ce.py). Per chunk, :func:`hard_ce_stats` and
+:func:`hard_ce_grad` are the torch passes over the logits; on CUDA the Triton kernels of
+``drafts/vocab/kernels.py`` do each in one read of the head's-dtype logits
 (tests/drafts/vocab/test_kernels.py holds them equal).
 """
 
