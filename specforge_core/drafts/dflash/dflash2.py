@@ -162,9 +162,9 @@ class CandidateSelector(nn.Module):
 
 
 def unary_top_k(hidden: torch.Tensor, lm_head_weight: torch.Tensor, k: int, chunk_rows: int = 2048) -> torch.Tensor:
-    """Ids ``[R, k]`` of the k largest target-head logits of ``hidden [R, H]`` (no gradient; the
-    logits in the head's dtype, as the unary loss computes them, one chunk of rows at a time: a
-    float32 product over the full vocabulary would cost as much as the rest of the step)."""
+    """Ids ``[R, k]`` of the k largest target-head logits of ``hidden [R, H]``: decoding's unary
+    candidates (training takes them from the unary loss's own logits). No gradient; the logits in
+    the head's dtype, as the unary loss computes them, one chunk of rows at a time."""
     with torch.no_grad():
         w = lm_head_weight.detach()
         parts = [(rows.to(w.dtype) @ w.T).topk(k, dim=-1).indices for rows in hidden.detach().split(chunk_rows)]

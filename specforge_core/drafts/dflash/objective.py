@@ -114,18 +114,17 @@ def dflash_loss(
         decay = torch.exp(-(k - 1).clamp(min=0).double() / loss_decay_gamma)
     weight64 = blocks.valid.double() * decay
     weight = weight64.float()
-    slots = hidden.flatten(0, 1)[rows]
-    loss, ce, pred, top = target_cross_entropy(slots, lm_head_weight, blocks.labels.flatten()[rows],
-                                               weight.flatten()[rows], ce_chunk_rows,
+    slots = hidden.flatten(0, 1)[rows]  # the weighted slots' outputs, targets and weights
+    slot_labels, slot_weight = blocks.labels.flatten()[rows], weight.flatten()[rows]
+    loss, ce, pred, top = target_cross_entropy(slots, lm_head_weight, slot_labels, slot_weight, ce_chunk_rows,
                                                top_k=0 if selector is None else selector.top_k)
     if selector is not None:
         selected = dflash2.selector_training_scores(selector, slots, lm_head_weight, blocks, rows, top)
-        extra, selector_sums = dflash2.selector_objective(selected, weight.flatten()[rows], blocks, rows,
-                                                          selector_loss_alpha)
+        extra, selector_sums = dflash2.selector_objective(selected, slot_weight, blocks, rows, selector_loss_alpha)
         loss = loss + extra
     with torch.no_grad():
         hit = torch.zeros(b * nb * size, dtype=torch.bool, device=ids.device)
-        hit[rows] = pred == blocks.labels.flatten()[rows]
+        hit[rows] = pred == slot_labels
         hit = hit.view(b, nb, size)
         ce_grid = torch.zeros(b * nb * size, device=ids.device).index_copy(0, rows, ce.detach()).view(b, nb, size)
         reach = torch.cumprod(hit[..., 1:].long(), dim=-1).sum((0, 1))

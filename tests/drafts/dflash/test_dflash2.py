@@ -396,8 +396,9 @@ def test_a_dflash2_draft_sharded_as_the_trainer_shards_it_gives_the_unsharded_lo
         def loss_and_grads(module, run):
             loss, sums = run(batch)
             loss.backward()
-            return loss.item(), sums, {n.removeprefix("draft."): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-                                                                   else p.grad) for n, p in module.named_parameters()}
+            grads = {n.removeprefix("draft."): p.grad for n, p in module.named_parameters()}
+            full = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}
+            return loss.item(), sums, full
 
         plain = tiny_dflash2(10)
         loss, sums, grads = loss_and_grads(plain, lambda b: objective(plain, b))

@@ -1,7 +1,7 @@
 """The objective drives a DFlash draft (without DFlash2's selector) only through its forward, so
 FSDP2 (``fully_shard``) on the draft itself sees every parameter use: a sharded draft gives the
-unsharded loss and gradients. One gloo rank in
-this process (parameters become DTensors, so any use outside forward would fail)."""
+unsharded loss and gradients. One gloo rank in this process (parameters become DTensors, so any
+use outside forward would fail)."""
 
 import pytest
 import torch
