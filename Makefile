@@ -6,6 +6,11 @@ STAMP   := $(VENV)/.installed
 # Prefect runs against a private, throw-away home: no telemetry, no reuse of a dev cache.
 PREFECT_ENV = PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
               PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW=ignore
+# Python caches the bytecode of what it imports, even where the machine sets PYTHONDONTWRITEBYTECODE
+# (an empty value turns it off): the suite and the demo start hundreds of processes (torchrun ranks,
+# flow runs, the prefect CLI), and without the cache each compiled torch's, transformers' and
+# Prefect's sources again, about 2 s of CPU a process.
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: install test test-fast demo demo-tiny ui sharegpt-30m sharegpt-2h clean
 
