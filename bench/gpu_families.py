@@ -69,13 +69,15 @@ on expandable segments itself (``init_distributed``), the reference runs under t
 trainer has (``PYTORCH_CUDA_ALLOC_CONF`` is removed from its environment).
 
 Per side: ``--warmup`` untimed steps (compiles included), then ``--steps`` steps each timed by
-CUDA events (median; tokens/s = seq-len / median seconds), then ``--steps`` more back to back,
-waited for once (``back_to_back_step_s``: their mean; both trainers wait for the device only when
-they log, so there a step's host work overlaps the step before), the peak allocated memory over the
-whole run (weights, optimizer state and activations), and the loss of the first step (before any
-update), in the form both sides compute: speculators divides the DFlash families' weighted sums
-by Σ mask, ours by Σ w (a constant factor per batch, which AdamW does not see), so ours is shown
-over Σ mask; DFlash2's unary and selector terms are shown apart. The first-step losses agreeing
+CUDA events (median; tokens/s = seq-len / median seconds), then three windows of ``--steps`` more
+back to back, each waited for once (``back_to_back_step_s``: the median window's mean step,
+``back_to_back_windows_s`` all three; both trainers wait for the device only when they log, so
+there a step's host work overlaps the step before; ``gc_full_collections``: Python's full garbage
+collections over the timed steps, a host pause that shows in a window), the peak allocated memory
+over the whole run (weights, optimizer state and activations), and the loss of the first step
+(before any update), in the form both sides compute: speculators divides the DFlash families'
+weighted sums by Σ mask, ours by Σ w (a constant factor per batch, which AdamW does not see), so
+ours is shown over Σ mask; DFlash2's unary and selector terms are shown apart. The first-step losses agreeing
 (``first_loss_rel_diff``; ``tests/runtime/test_gpu_families_bench.py`` holds it to 1e-5 on a
 CPU, in fp32) is what shows both sides step the same computation. Every family prints
 ``RESULT {json}`` (with ``ours_over_reference``, ours tokens/s over the reference's, and
@@ -100,6 +102,7 @@ warming in parallel spends those minutes side by side. The timed figures are unc
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -167,12 +170,37 @@ def captured(shape: str, seq_len: int, layers: int, block: int, device, seed: in
     return dict(embed=embed, head=head, norm=norm, ids=ids, aux=aux, pre=pre, last=last, loss_mask=loss_mask)
 
 
+BACK_TO_BACK_WINDOWS = 3
+
+
+class FullCollections:
+    """Python's full (generation 2) garbage collections while it listens, and the seconds they took:
+    a pause of the host that a step-by-step median hides and a back-to-back window shows."""
+
+    def __init__(self):
+        self.count, self.seconds, self._start = 0, 0.0, None
+
+    def record(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._start
+
+    def as_dict(self) -> dict:
+        return {"count": self.count, "seconds": round(self.seconds, 4)}
+
+
 def time_steps(step, device, warmup: int, steps: int) -> dict:
     """``warmup`` untimed steps, then ``steps`` timed ones (CUDA events; wall clock on a CPU):
     the first step's loss (``step(True)`` returns it, read before any update; later steps are
     ``step(False)`` and read nothing the training loop would not), the median seconds, the
-    seconds of the warmup and the peak allocated GiB; then ``steps`` more back to back, waited for
-    once, whose mean is ``back_to_back_step_s``."""
+    seconds of the warmup and the peak allocated GiB; then ``BACK_TO_BACK_WINDOWS`` windows of
+    ``steps`` more back to back, each waited for once: ``back_to_back_windows_s`` their mean step
+    seconds, ``back_to_back_step_s`` the median of those; ``gc_full_collections`` counts Python's
+    full collections over the timed steps and windows, with their seconds."""
     import torch
 
     cuda = device.type == "cuda"
@@ -187,6 +215,8 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
     if cuda:
         torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
+    pauses = FullCollections()
+    gc.callbacks.append(pauses.record)
     times = []
     profile = os.environ.get("BENCH_PROFILE")  # a path: the timed steps' CUDA-time table goes there
     kinds = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -206,18 +236,22 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
                 loss = step(first is None)
                 times.append(time.perf_counter() - t)
             first = first or loss
-    # The same number of steps back to back, waited for once at the end: both trainers wait for the
-    # device only when they log, so a step's host work overlaps the one before it there.
-    t = time.perf_counter()
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    for _ in range(steps):
-        step(False)
-    if cuda:
-        end.record()
-        end.synchronize()
-    back_to_back = (start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - t) / max(steps, 1)
+    # Windows of as many steps back to back, each waited for once at its end: both trainers wait for
+    # the device only when they log, so a step's host work overlaps the one before it there. The
+    # median window: one slow step (a pause of the host) moves one window's mean, not the figure.
+    windows = []
+    for _ in range(BACK_TO_BACK_WINDOWS):
+        t = time.perf_counter()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        for _ in range(steps):
+            step(False)
+        if cuda:
+            end.record()
+            end.synchronize()
+        windows.append((start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - t) / max(steps, 1))
+    gc.callbacks.remove(pauses.record)
     if profile and profile.endswith(".json"):  # the timeline, for where the device idles
         tracing.export_chrome_trace(profile)
     elif profile:
@@ -225,7 +259,8 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
         Path(profile).write_text(tracing.key_averages().table(sort_by=order, row_limit=40, max_name_column_width=90))
     if cuda and os.environ.get("BENCH_SYNC_DEBUG"):
         Path(os.environ["BENCH_SYNC_DEBUG"]).write_text(json.dumps(sync_sites(step), indent=1))
-    return dict(first_loss=first, step_s=statistics.median(times), back_to_back_step_s=back_to_back, warmup_s=warm_s,
+    return dict(first_loss=first, step_s=statistics.median(times), back_to_back_step_s=statistics.median(windows),
+                back_to_back_windows_s=windows, gc_full_collections=pauses.as_dict(), warmup_s=warm_s,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device_name=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), intra_op_threads=torch.get_num_threads(),
@@ -552,8 +587,10 @@ def run_side(args, family: str, side: str, work: Path) -> dict:
         return {"error": f"exit {done.returncode}: " + done.stderr[-3000:]}
     result = json.loads((work / f"{side}.json").read_text()) | {"process_s": round(time.perf_counter() - t, 1)}
     # the side's figures as soon as it ends, so that a run cut short keeps the sides it finished
-    print(f"{family} {side}: step {result['step_s']:.4f} s ({result['back_to_back_step_s']:.4f} s back to back), "
-          f"process {result['process_s']} s", file=sys.stderr, flush=True)
+    windows = " / ".join(f"{w:.4f}" for w in result["back_to_back_windows_s"])
+    print(f"{family} {side}: step {result['step_s']:.4f} s (back to back {windows} s; "
+          f"{result['gc_full_collections']['count']} full GC), process {result['process_s']} s",
+          file=sys.stderr, flush=True)
     return result
 
 

@@ -34,7 +34,26 @@ def test_both_sides_step_and_their_first_losses_agree(tmp_path, monkeypatch):
         assert row[side]["omp_wait_policy"] == "PASSIVE" and row[side]["intra_op_threads"] >= 1
         # the same steps, one by one or back to back: within a loose factor of each other on a CPU
         assert 0.2 < row[side]["back_to_back_step_s"] / row[side]["step_s"] < 5, row[side]
+        windows = row[side]["back_to_back_windows_s"]
+        assert len(windows) == bench.BACK_TO_BACK_WINDOWS and row[side]["back_to_back_step_s"] == sorted(windows)[1]
+        pauses = row[side]["gc_full_collections"]
+        assert pauses["count"] >= 0 and pauses["seconds"] >= 0, pauses
     assert math.isfinite(row["ours_over_reference"])
     assert row["ours_over_reference_back_to_back"] == pytest.approx(
         row["reference"]["back_to_back_step_s"] / row["ours"]["back_to_back_step_s"])
     assert row["first_loss_rel_diff"] <= 1e-5, (row["ours"]["first_loss"], row["reference"]["first_loss"])
+
+
+def test_the_full_collection_count_takes_generation_2_only_with_its_seconds():
+    import gc
+
+    pauses = load_bench("gpu_families").FullCollections()
+    gc.callbacks.append(pauses.record)
+    try:
+        gc.collect(0)
+        gc.collect(1)
+        gc.collect(2)
+    finally:
+        gc.callbacks.remove(pauses.record)
+    assert pauses.count == 1 and pauses.seconds > 0
+    assert pauses.as_dict() == {"count": 1, "seconds": round(pauses.seconds, 4)}
