@@ -251,10 +251,10 @@ def selector_objective(selected, weight: torch.Tensor, blocks, rows: torch.Tenso
     """The selector's loss numerator ``alpha · Σ w · CE_K(scores, label)`` and its metric sums.
 
     ``selected``: :func:`selector_training_scores`' ``(scores, candidate_ids, label, contains)`` of
-    the weighted slots ``rows``; ``weight [R]``: their unary loss weights (the same decay). Sums (per draft
-    position i = k-1, ``[B-1]``): ``selector_loss_sum`` (Σ w·CE_K before ``alpha``; a scalar),
-    ``selector_correct`` (the teacher-forced pick is the target and the unary top-k held it: what
-    decoding can draft), ``selector_recall`` (the unary top-k held the target) and
+    the weighted slots ``rows``; ``weight [R]``: their unary loss weights (the same decay). Sums
+    (per draft position i = k-1, ``[B-1]``): ``selector_loss_sum`` (Σ w·CE_K before ``alpha``; a
+    scalar), ``selector_correct`` (the teacher-forced pick is the target and the unary top-k held
+    it: what decoding can draft), ``selector_recall`` (the unary top-k held the target) and
     ``selector_reach [B]`` (blocks whose first i drafts are all selector-correct; ``accept_reach``'s
     form).
     """

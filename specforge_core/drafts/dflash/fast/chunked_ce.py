@@ -29,9 +29,10 @@ def target_cross_entropy_plain(hidden, lm_head_weight, labels, weights, top_k: i
     largest logits in the head's dtype, largest first. ``ce``, ``argmax`` and ``top`` carry no
     gradient."""
     logits = hidden.to(lm_head_weight.dtype) @ lm_head_weight.detach().T
-    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    full = logits.float()
+    ce = F.cross_entropy(full, labels, reduction="none")
     top = logits.detach().topk(top_k, dim=-1).indices
-    return (ce * weights.detach().float()).sum(), ce.detach(), logits.detach().float().argmax(dim=-1), top
+    return (ce * weights.detach().float()).sum(), ce.detach(), full.detach().argmax(dim=-1), top
 
 
 def target_cross_entropy(hidden, lm_head_weight, labels, weights, chunk_rows: int = 2048, top_k: int = 0):
