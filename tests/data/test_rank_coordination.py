@@ -1,35 +1,34 @@
 """Point 6: processes launched together without Prefect: one builds the missing cache under a
 file lock, the others wait for it and open the same dataset (no collective involved)."""
 
+import hashlib
 import json
-import os
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.runtime.harness import rank_context
+
 from .conftest import CHAT, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[2]
 
-WORKER = """
-import hashlib, json, sys, time
-from pathlib import Path
-from specforge_core.config import load_config
-from specforge_core.data.prompt_cache import ensure_prompt_cache
-from specforge_core.data.tokenize import load_tokenizer
-config, rank, world, gate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-cfg = load_config(config)
-tok = load_tokenizer(cfg)
-(gate / f"ready-{rank}").touch()
-while len(list(gate.glob("ready-*"))) < world:  # start the race only once every process is ready
-    time.sleep(0.01)
-cache = ensure_prompt_cache(cfg, tok)
-digest = hashlib.sha256(json.dumps([list(cache.train["input_ids"]), list(cache.train["loss_mask"])]).encode()).hexdigest()
-print(json.dumps({"built": cache.built, "build": cache.meta["build"]["id"], "key": cache.key, "data": digest}))
-"""
+def _prepare(config: str, rank: int, world: int, gate: Path, results) -> None:
+    """One launched process: load the config and tokenizer, wait for all, then open the cache."""
+    from specforge_core.config import load_config
+    from specforge_core.data.prompt_cache import ensure_prompt_cache
+    from specforge_core.data.tokenize import load_tokenizer
+
+    cfg = load_config(config)
+    tok = load_tokenizer(cfg)
+    (gate / f"ready-{rank}").touch()
+    while len(list(gate.glob("ready-*"))) < world:  # start the race only once every process is ready
+        time.sleep(0.01)
+    cache = ensure_prompt_cache(cfg, tok)
+    data = json.dumps([list(cache.train["input_ids"]), list(cache.train["loss_mask"])]).encode()
+    results.put({"built": cache.built, "build": cache.meta["build"]["id"], "key": cache.key,
+                 "data": hashlib.sha256(data).hexdigest()})
 
 
 @pytest.mark.slow
@@ -39,15 +38,15 @@ def test_four_processes_give_one_build_and_identical_datasets(tmp_path, make_cfg
     config.write_text(yaml.safe_dump(make_cfg([data]).model_dump(mode="json")))
     gate = tmp_path / "gate"
     gate.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(config), str(r), "4", str(gate)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for r in range(4)]
-    results = []
+    ctx = rank_context()  # separate processes, forked from a server that has imported torch once
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_prepare, args=(str(config), r, 4, gate, queue)) for r in range(4)]
     for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0, f"a process ended with {p.exitcode}"
     assert sum(r["built"] for r in results) == 1
     assert len({(r["build"], r["key"], r["data"]) for r in results}) == 1
     prompts = tmp_path / "cache" / "prompts"

@@ -28,9 +28,10 @@ def _no_stray_children():
     """Every test here must leave no child process of pytest behind."""
     import psutil
 
-    # The Prefect server, its uvicorn and multiprocessing's resource tracker (one per pytest process,
-    # started by whichever earlier test first used a semaphore) live as long as the session.
-    session_helpers = ("prefect", "uvicorn", "multiprocessing.resource_tracker")
+    # The Prefect server, its uvicorn, multiprocessing's resource tracker and fork server (one each per
+    # pytest process, started by whichever earlier test first used a semaphore or started gloo ranks:
+    # tests/runtime/harness.py) live as long as the session.
+    session_helpers = ("prefect", "uvicorn", "multiprocessing.resource_tracker", "multiprocessing.forkserver")
     yield
     leftovers = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
                  and not any(h in " ".join(p.cmdline()) for h in session_helpers)]

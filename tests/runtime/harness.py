@@ -1,9 +1,12 @@
-"""Test harness for the trainer's runtime: real gloo ranks in spawned processes, a tiny draft.
+"""Test harness for the trainer's runtime: real gloo ranks in forked processes, a tiny draft.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes with torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT), calls
-``fn(rank, *args)`` in each and returns what each returned (rank order). ``fn`` must be a
-module-level function of an importable module; results travel through ``torch.save`` files. The
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT) on top of this process's
+environment at the call, calls ``fn(rank, *args)`` in each and returns what each returned (rank
+order). ``fn`` must be a module-level function of an importable module; results travel through
+``torch.save`` files. The processes come from ``rank_context()``: forked from multiprocessing's
+fork server, which has imported torch and this harness once, so a rank starts without importing
+torch again (a fresh interpreter's imports are most of a small rank's CPU). The
 rendezvous store is served from this process, as torchrun's agent serves it: it binds port 0 and
 holds the port it got until the ranks are done, so no other process can take it in between. A
 rank leaves with ``exit_after_success()`` once its result is saved (exit code 0, no interpreter
@@ -32,7 +35,25 @@ from torch import nn
 from specforge_core.system.distributed import exit_after_success
 
 
-def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+# What the fork server imports before it forks any rank: what every rank function needs.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp",
+           "safetensors.torch", "pytest", "transformers.modeling_utils", "specforge_core.loop.trainer",
+           "specforge_core.capture.hf", "specforge_core.drafts.eagle3", "tests.runtime.harness"]
+
+
+def rank_context():
+    """multiprocessing's forkserver context, its server preloading ``PRELOAD``.
+
+    A process it starts inherits the fork server's environment (taken when the server started),
+    not the caller's: pass what the child must see explicitly, as ``run_ranks`` does."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple, env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -55,12 +76,13 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
     """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks; re-raise a rank's failure here."""
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ranks-") as out:
+        rank_context()
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, store.port, out, args),
+            args=(fn, world_size, store.port, out, args, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -158,8 +158,10 @@ def _contend(out, barrier, results, release):
 
 
 def test_racing_takeovers_of_a_stale_lock_have_one_winner(tmp_path):
+    from tests.runtime.harness import rank_context
+
     plant(tmp_path, pid=dead_pid())
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     barrier, results, release = ctx.Barrier(4), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_contend, args=(tmp_path, barrier, results, release)) for _ in range(4)]
     for p in procs:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from specforge_core.drafts.eagle3 import eagle3_loss
 from specforge_core.system.distributed import exit_after_success
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
+from tests.runtime.harness import rank_context
 
 
 def _sharded_worker(rank, world, port, queue):
@@ -50,8 +51,9 @@ def test_draft_sharded_as_the_trainer_shards_it_gives_the_unsharded_loss_and_gra
     loss.backward()
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)  # held: no port race
     port = store.port
-    queue = mp.get_context("spawn").Queue()
-    workers = mp.start_processes(_sharded_worker, args=(2, port, queue), nprocs=2, start_method="spawn", join=False)
+    queue = rank_context().Queue()
+    workers = mp.start_processes(_sharded_worker, args=(2, port, queue), nprocs=2, start_method="forkserver",
+                                 join=False)
     try:  # before join: the worker exits only once this is read
         sharded_loss, sharded_grads = queue.get(timeout=300)
     except Exception:  # a worker that failed never puts: its error, not a hang

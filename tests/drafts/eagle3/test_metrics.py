@@ -9,6 +9,7 @@ import torch.distributed as dist
 from specforge_core.drafts.eagle3 import add_metric_sums, all_reduce_metric_sums, eagle3_loss, summarize_metrics
 from specforge_core.system.distributed import exit_after_success
 from tests.drafts.eagle3.fixtures import random_batch, target_head, tiny_draft
+from tests.runtime.harness import rank_context
 
 
 def hand_sums():
@@ -66,9 +67,8 @@ def test_all_reduce_sums_every_key_across_ranks():
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)  # held: no port race
     port = store.port
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    workers = mp.start_processes(_reduce_worker, args=(2, port, queue), nprocs=2, start_method="spawn", join=False)
+    queue = rank_context().Queue()
+    workers = mp.start_processes(_reduce_worker, args=(2, port, queue), nprocs=2, start_method="forkserver", join=False)
     results = dict(queue.get() for _ in range(2))
     while not workers.join():
         pass
