@@ -191,6 +191,87 @@ def test_speculators_and_our_draft_agree_step_by_step_on_smollm2_hidden_states(t
     assert max(worst) < 1e-5, worst
 
 
+@pytest.mark.slow
+def test_our_per_position_loss_is_speculators_kl_plus_the_targets_entropy_on_smollm2(tmp_path, smollm2_dir, capsys):
+    """The training objective beside speculators 0.9.0's, on the same EAGLE-3.1 weights and the
+    same SmolLM2-135M-Instruct batch (float64, as above), every TTT step and position.
+
+    The two differ by design, and this pins how. Ours is SpecForge's: the soft cross-entropy to
+    the target's distribution over the draft vocabulary, on the positions whose target argmax is
+    in the draft vocabulary (zero elsewhere). speculators' is the KL divergence to the same
+    distribution, on every position. On our positions they differ by the target's entropy, a
+    constant of the batch, so their gradients to the draft are the same. Accuracy: ours counts a
+    position whose target argmax is outside the draft vocabulary as a miss."""
+    from speculators.losses.eager import kl_div_loss
+    from speculators.models.eagle3.metrics import align_for_step
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specforge_core.drafts.eagle3 import ttt_unroll
+
+    steps_k = 4
+    target = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    text = "Speculative decoding drafts a few tokens cheaply and lets the target verify them at once."
+    ids = AutoTokenizer.from_pretrained(smollm2_dir)(text, return_tensors="pt").input_ids
+    pre_norm = []
+    hook = target.model.norm.register_forward_hook(lambda _m, inputs, _o: pre_norm.append(inputs[0]))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    hook.remove()
+    draft = _draft(smollm2_dir, fc_norm=True, norm_output=True, seed=3, vd=2048)
+    # a draft vocabulary holding the target's next tokens here but one, so that most positions
+    # carry a loss and some show the mask
+    vocab, nexts = draft.config.vocab_size, out.logits[0].argmax(-1)
+    left_out = nexts[-3:-2]  # a late position's: every step has a row that reads it
+    nexts = nexts[nexts != left_out].unique()
+    others = torch.randperm(vocab, generator=torch.Generator().manual_seed(4))
+    others = others[~torch.isin(others, torch.cat([nexts, left_out]))][: 2048 - nexts.numel()]
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[nexts], t2d[others] = True, True
+    draft.set_vocab_map(torch.nonzero(t2d).flatten() - torch.arange(2048), t2d)
+    code, exported = _export(tmp_path, smollm2_dir, draft)
+    assert code == 0
+    capsys.readouterr()
+    f64 = torch.float64
+    aux = torch.cat([out.hidden_states[k + 1] for k in capture_layer_ids_of(draft.config)], dim=-1).to(f64)
+    t = ids.shape[1]
+
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids), aux_hidden=aux,
+                 last_hidden=out.hidden_states[-1].to(f64))  # the normed last hidden: the head reads it
+    with torch.no_grad():
+        ours = ttt_unroll(draft.to(f64).eval(), batch, target.lm_head.weight.to(f64), ttt_length=steps_k,
+                          backend="sdpa", compile=False)
+
+    # speculators' row t is our row t: the token after t, the target's hidden at t, the target at t + 1
+    model = SpeculatorModel.from_pretrained(exported).to(f64).eval()
+    model._attn_impl, model._create_mask_fn = "eager", create_float_mask
+    model.config.transformer_layer_config._attn_implementation = "eager"
+    ids_s, aux_s, last_s = ids[:, 1:], aux[:, :-1], pre_norm[0][:, 1:].to(f64)  # it applies the final norm
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, o: logits.append(o.detach()))
+    with torch.no_grad():
+        model(hidden_states=aux_s, input_ids=ids_s, document_ids=torch.zeros_like(ids_s),
+              position_ids=torch.arange(t - 1)[None], verifier_last_hidden_states=last_s,
+              loss_mask=torch.ones_like(ids_s, dtype=torch.bool), ttt_steps=steps_k,
+              loss_config={"kl_div": (kl_div_loss, 1.0)})
+        targets = model.verifier_lm_head(model.verifier_norm(last_s))
+    hook.remove()
+
+    for k in range(steps_k):
+        step_logits, step_targets, _, _ = align_for_step(logits[k], targets, None, None, k)
+        n = step_logits.shape[1]  # speculators' rows of step k: those with a target
+        kl = kl_div_loss(step_logits, step_targets)[0]
+        p = torch.softmax(step_targets[0], dim=-1)
+        entropy = -(p * p.log()).sum(-1)
+        in_draft = ours[k].in_draft[0, :n] > 0
+        assert ours[k].valid[0, :n].all() and not ours[k].valid[0, n:].any()  # the same rows
+        assert 0 < in_draft.sum() < n  # positions of both kinds at every step
+        loss = ours[k].loss[0, :n]
+        worst = ((loss - in_draft * (kl + entropy)).abs().max() / (kl + entropy).max()).item()
+        assert worst < 1e-5, (k, worst)
+        hits = step_logits[0].argmax(-1) == step_targets[0].argmax(-1)  # speculators' full_acc numerator
+        assert torch.equal(ours[k].correct[0, :n] > 0, hits & in_draft)
+
+
 def test_a_config_claiming_norm_before_residual_would_compute_other_logits(tmp_path, tiny_target_dir, capsys):
     """Why the field is written: vLLM assumes true without it, and the layer then differs."""
     draft = _draft(tiny_target_dir)
