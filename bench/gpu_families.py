@@ -78,8 +78,8 @@ over the whole run (weights, optimizer state and activations), and the loss of t
 (before any update), in the form both sides compute: speculators divides the DFlash families'
 weighted sums by Σ mask, ours by Σ w (a constant factor per batch, which AdamW does not see), so
 ours is shown over Σ mask; DFlash2's unary and selector terms are shown apart. The first-step
-losses agreeing (``first_loss_rel_diff``; ``tests/runtime/test_gpu_families_bench.py`` holds it to 1e-5 on a
-CPU, in fp32) is what shows both sides step the same computation. Every family prints
+losses agreeing (``first_loss_rel_diff``; ``tests/runtime/test_gpu_families_bench.py`` holds it
+to 1e-5 on a CPU, in fp32) is what shows both sides step the same computation. Every family prints
 ``RESULT {json}`` (with ``ours_over_reference``, ours tokens/s over the reference's, and
 ``ours_over_reference_back_to_back``) and
 ``--out DIR`` writes ``DIR/families.json``; the exit status is 1 when a side failed. A side

@@ -76,7 +76,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
     """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks; re-raise a rank's failure here."""
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ranks-") as out:
-        rank_context()
+        rank_context()  # the fork server's preload, set before the server first starts
         ctx = mp.start_processes(
             _entry,
             args=(fn, world_size, store.port, out, args, dict(os.environ)),

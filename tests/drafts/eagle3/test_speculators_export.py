@@ -64,12 +64,33 @@ def _step0_logits_speculators(model, aux, ids, positions):
     return _ttt_logits_speculators(model, aux, ids, positions, steps=1)[0]
 
 
+def _eager_attention(model) -> None:
+    """speculators' dense attention path: its flex block mask does not extend below 128 rows."""
+    model._attn_impl, model._create_mask_fn = "eager", create_float_mask
+    model.config.transformer_layer_config._attn_implementation = "eager"
+
+
+def _smollm2_forward(smollm2_dir):
+    """``(target, ids, out, pre_norm)``: SmolLM2-135M-Instruct in fp32 on one sentence, its outputs
+    with every layer's hidden states, and the last hidden before the final norm."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    text = "Speculative decoding drafts a few tokens cheaply and lets the target verify them at once."
+    ids = AutoTokenizer.from_pretrained(smollm2_dir)(text, return_tensors="pt").input_ids
+    pre_norm = []
+    hook = target.model.norm.register_forward_hook(lambda _m, inputs, _o: pre_norm.append(inputs[0]))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    hook.remove()
+    return target, ids, out, pre_norm[0]
+
+
 def _ttt_logits_speculators(model, aux, ids, positions, steps):
     """Each TTT step's logits ``[1, T, Vd]`` of speculators' own training forward (teacher forcing:
     step k reads ``ids`` shifted k to the left, zero-filled, at positions + k)."""
-    if steps > 1:  # its flex block mask does not extend below 128 rows: the dense path it has for eager
-        model._attn_impl, model._create_mask_fn = "eager", create_float_mask
-        model.config.transformer_layer_config._attn_implementation = "eager"
+    if steps > 1:
+        _eager_attention(model)
     seen = []
     hook = model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
     try:
@@ -165,24 +186,18 @@ def test_speculators_and_our_draft_agree_step_by_step_on_smollm2_hidden_states(t
     """The same EAGLE-3.1 weights in speculators 0.9.0's model and ours, fed hidden states captured
     from SmolLM2-135M-Instruct in fp32: every TTT step's logits agree within 1e-5 relative.
 
-    speculators' training loss is its own (other loss functions and normalisation), so the forward
-    is what is compared. Both drafts run in float64: in fp32 each implementation is 2e-5 off its
-    own float64 result by the fourth step with norm_output (the carried hidden is renormed every
-    step, so the per-step update is large relative to it), which would hide a real difference;
-    in float64 they agree to about 1e-6, the floor set by the fp32 RMSNorm, RoPE and softmax that
-    both run inside."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    The training losses differ by design (the next test pins how), so here the forward is compared.
+    Both drafts run in float64: in fp32 each implementation is 2e-5 off its own float64 result by
+    the fourth step with norm_output (the carried hidden is renormed every step, so the per-step
+    update is large relative to it), which would hide a real difference; in float64 they agree to
+    a few 1e-6, the floor set by the fp32 RMSNorm, RoPE and softmax that both run inside."""
     draft = _draft(smollm2_dir, fc_norm=True, norm_output=norm_output, seed=3, vd=2048)
     code, out = _export(tmp_path, smollm2_dir, draft)
     assert code == 0
     capsys.readouterr()
     model = SpeculatorModel.from_pretrained(out).double().eval()
-    target = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    text = "Speculative decoding drafts a few tokens cheaply and lets the target verify them at once."
-    ids = AutoTokenizer.from_pretrained(smollm2_dir)(text, return_tensors="pt").input_ids[:, :24]
-    with torch.no_grad():
-        states = target(ids, output_hidden_states=True).hidden_states
+    _, ids, target_out, _ = _smollm2_forward(smollm2_dir)
+    states = target_out.hidden_states
     aux = torch.cat([states[k + 1] for k in capture_layer_ids_of(draft.config)], dim=-1).double()  # layer k's output
     positions = torch.arange(ids.shape[1])[None]
     theirs = _ttt_logits_speculators(model, aux, ids, positions, steps=4)
@@ -204,19 +219,11 @@ def test_our_per_position_loss_is_speculators_kl_plus_the_targets_entropy_on_smo
     position whose target argmax is outside the draft vocabulary as a miss."""
     from speculators.losses.eager import kl_div_loss
     from speculators.models.eagle3.metrics import align_for_step
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specforge_core.drafts.eagle3 import ttt_unroll
 
     steps_k = 4
-    target = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    text = "Speculative decoding drafts a few tokens cheaply and lets the target verify them at once."
-    ids = AutoTokenizer.from_pretrained(smollm2_dir)(text, return_tensors="pt").input_ids
-    pre_norm = []
-    hook = target.model.norm.register_forward_hook(lambda _m, inputs, _o: pre_norm.append(inputs[0]))
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-    hook.remove()
+    target, ids, out, pre_norm = _smollm2_forward(smollm2_dir)
     draft = _draft(smollm2_dir, fc_norm=True, norm_output=True, seed=3, vd=2048)
     # a draft vocabulary holding the target's next tokens here but one, so that most positions
     # carry a loss and some show the mask
@@ -243,9 +250,8 @@ def test_our_per_position_loss_is_speculators_kl_plus_the_targets_entropy_on_smo
 
     # speculators' row t is our row t: the token after t, the target's hidden at t, the target at t + 1
     model = SpeculatorModel.from_pretrained(exported).to(f64).eval()
-    model._attn_impl, model._create_mask_fn = "eager", create_float_mask
-    model.config.transformer_layer_config._attn_implementation = "eager"
-    ids_s, aux_s, last_s = ids[:, 1:], aux[:, :-1], pre_norm[0][:, 1:].to(f64)  # it applies the final norm
+    _eager_attention(model)
+    ids_s, aux_s, last_s = ids[:, 1:], aux[:, :-1], pre_norm[:, 1:].to(f64)  # it applies the final norm
     logits = []
     hook = model.lm_head.register_forward_hook(lambda _m, _i, o: logits.append(o.detach()))
     with torch.no_grad():
